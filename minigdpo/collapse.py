@@ -1,0 +1,126 @@
+"""Reward collapse: how many distinct advantage groups each estimator can produce.
+
+Reproduces the paper's Figure 3. For binary rewards, a group of G samples with R rewards
+is a G x R matrix of 0/1. We enumerate every such group, run the real estimator from
+`minigdpo.advantages` on all of them at once, and count the distinct advantage vectors.
+
+    python -m minigdpo.collapse                  # the table: G = 2..16 (R=2), R = 2..8 (G=4)
+    python -m minigdpo.collapse --plot out.png   # and the figure (needs matplotlib)
+
+Counting rules:
+- A group is a multiset of samples, so an advantage vector is compared sorted.
+- Every estimator here is symmetric in its samples and (with equal weights) in its rewards,
+  so the advantage multiset does not change when rows or columns of the 0/1 matrix are
+  permuted. We enumerate multisets of rows (2^R kinds, G of them) or of columns
+  (2^G kinds, R of them), whichever is fewer, never ordered tuples.
+- The estimators run in float64 with eps = 0 so that the count reflects the formula, not
+  the 1e-4 guard. GDPO's batch step (Eq. 6) is one affine map shared by every group, so it
+  neither merges nor splits advantage groups (the paper's Figure 2 omits it for the same reason).
+
+Shape legend: M enumerated groups, G samples, R rewards.
+"""
+
+import argparse
+import itertools
+import math
+
+import torch
+
+from minigdpo.advantages import ESTIMATORS
+
+DECIMALS = 6
+
+
+def enumerate_groups(group_size, num_rewards):
+    """Every binary (G, R) group up to row or column permutation, as an (M, G, R) tensor."""
+    G, R = group_size, num_rewards
+    by_rows = math.comb(2**R + G - 1, G)
+    by_cols = math.comb(2**G + R - 1, R)
+    if by_rows <= by_cols:
+        patterns = torch.tensor(list(itertools.product([0.0, 1.0], repeat=R)), dtype=torch.float64)  # (2^R, R)
+        idx = torch.tensor(list(itertools.combinations_with_replacement(range(2**R), G)))              # (M, G)
+        return patterns[idx]                                                                            # (M, G, R)
+    patterns = torch.tensor(list(itertools.product([0.0, 1.0], repeat=G)), dtype=torch.float64)      # (2^G, G)
+    idx = torch.tensor(list(itertools.combinations_with_replacement(range(2**G), R)))                  # (M, R)
+    return patterns[idx].transpose(1, 2)                                                                # (M, G, R)
+
+
+def distinct_rows(advantages, decimals=DECIMALS):
+    """Number of distinct sorted advantage vectors among the rows of (M, G)."""
+    keys = torch.round(advantages.sort(dim=1).values * 10**decimals).long()  # (M, G)
+    return torch.unique(keys, dim=0).shape[0]
+
+
+def count_distinct(estimator, group_size, num_rewards):
+    """Distinct advantage groups that `estimator` gives over all binary reward outcomes."""
+    if group_size < 2 or num_rewards < 1:
+        raise ValueError("group_size must be >= 2 and num_rewards >= 1")
+    groups = enumerate_groups(group_size, num_rewards)            # (M, G, R)
+    advantages = ESTIMATORS[estimator](groups, None, eps=0.0)      # (M, G)
+    return distinct_rows(advantages)
+
+
+def distinct_per_group(advantages, decimals=4):
+    """Distinct advantage values inside each group of (B, G): the training-time collapse signal."""
+    keys = torch.round(advantages.float() * 10**decimals).sort(dim=1).values  # (B, G)
+    return 1 + (keys[:, 1:] != keys[:, :-1]).sum(dim=1)                       # (B,)
+
+
+def table(group_sizes=range(2, 17), reward_counts=range(2, 9), fixed_rewards=2, fixed_group=4):
+    """Rows of (axis, value, {estimator: count}) for both sweeps of Figure 3."""
+    rows = []
+    for G in group_sizes:
+        rows.append(("G", G, {name: count_distinct(name, G, fixed_rewards) for name in ESTIMATORS}))
+    for R in reward_counts:
+        rows.append(("R", R, {name: count_distinct(name, fixed_group, R) for name in ESTIMATORS}))
+    return rows
+
+
+def format_table(rows):
+    names = list(ESTIMATORS)
+    lines = []
+    for axis, title in (("G", "rewards R = 2, group size G varies"), ("R", "group size G = 4, rewards R vary")):
+        lines.append(f"{title}\n{axis:>3} " + " ".join(f"{n:>12}" for n in names))
+        lines += [f"{v:>3} " + " ".join(f"{c[n]:>12}" for n in names) for a, v, c in rows if a == axis]
+        lines.append("")
+    return "\n".join(lines)
+
+
+def plot(rows, path):
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise SystemExit("plotting needs matplotlib: pip install 'minigdpo[plot]'") from None
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+    for ax, axis, xlabel in ((axes[0], "G", "group size G (R = 2 rewards)"), (axes[1], "R", "number of rewards R (G = 4)")):
+        xs = [v for a, v, _ in rows if a == axis]
+        for name, marker in zip(ESTIMATORS, "o^s"):
+            ax.plot(xs, [c[name] for a, _, c in rows if a == axis], marker=marker, label=name)
+        ax.set_xlabel(xlabel)
+        ax.set_ylabel("distinct advantage groups")
+        ax.set_yscale("log")
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.suptitle("Reward collapse: distinct advantage groups over all binary reward outcomes")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--plot", metavar="PNG", help="also draw the figure to this file")
+    parser.add_argument("--max-group", type=int, default=16, help="largest G in the first sweep")
+    parser.add_argument("--max-rewards", type=int, default=8, help="largest R in the second sweep")
+    args = parser.parse_args(argv)
+    rows = table(range(2, args.max_group + 1), range(2, args.max_rewards + 1))
+    print(format_table(rows))
+    if args.plot:
+        plot(rows, args.plot)
+        print(f"wrote {args.plot}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,94 @@
+"""The policy loss: PPO's clipped surrogate plus a k3 KL penalty to a frozen reference.
+
+Shape legend: N sequences in the micro-batch, T completion tokens.
+
+    ratio   = exp(logp - old_logp)
+    pg      = -min(ratio * A, clip(ratio, 1 - clip_low, 1 + clip_high) * A)
+    kl      = exp(ref - logp) - (ref - logp) - 1          (k3, unbiased and >= 0)
+    loss_t  = pg + beta * kl                              per token, then aggregated
+
+Aggregations (`agg`):
+- "token_mean": sum over every valid token of the global batch / number of those tokens.
+  Pass the global count as `num_tokens` so that gradient accumulation over micro-batches
+  (and ranks) gives exactly the gradient of one large batch. The default, and TRL's "bnpo".
+- "seq_mean_token_mean": mean over tokens inside each sequence, then over sequences: the
+  original GRPO objective. Pass the global sequence count as `num_seqs`.
+- "seq_mean_token_sum_norm": Dr. GRPO. Sum over tokens divided by a constant `max_len`,
+  then mean over sequences, so long and short answers are not weighted differently.
+
+The asymmetric clip (`clip_high` > `clip_low`) is DAPO's "clip-higher"; both default to 0.2.
+"""
+
+import torch
+
+AGGREGATIONS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm")
+
+
+def policy_loss(
+    logp,
+    old_logp,
+    ref_logp,
+    advantages,
+    mask,
+    *,
+    clip_low=0.2,
+    clip_high=0.2,
+    beta=0.04,
+    agg="token_mean",
+    num_tokens=None,
+    num_seqs=None,
+    max_len=None,
+    is_weight=None,
+):
+    """Return (loss, metrics) for one micro-batch.
+
+    logp, old_logp, ref_logp, mask: (N, T); advantages: (N,). ref_logp may be None when beta == 0.
+    num_tokens / num_seqs: the normalisers over the whole batch being accumulated (default:
+    this micro-batch). is_weight: optional (N, T) truncated importance weight that corrects
+    for the sampler/trainer mismatch; it multiplies the surrogate, not the KL.
+    Metrics are 0-dim tensors (no host sync): sums over this micro-batch's valid tokens, to be
+    divided by metrics["tokens"] once the step is done, except ratio_min and ratio_max.
+    """
+    if agg not in AGGREGATIONS:
+        raise ValueError(f"unknown loss aggregation {agg!r}; choose from {AGGREGATIONS}")
+    mask = mask.to(logp.dtype)                                      # (N, T)
+    adv = advantages.to(logp.dtype).unsqueeze(1)                    # (N, 1)
+    ratio = torch.exp(logp - old_logp)                              # (N, T)
+    clipped = torch.clamp(ratio, 1 - clip_low, 1 + clip_high)       # (N, T)
+    pg = -torch.min(ratio * adv, clipped * adv)                     # (N, T)
+    if is_weight is not None:
+        pg = pg * is_weight                                         # (N, T)
+    per_token = pg                                                  # (N, T)
+    if beta != 0.0:
+        delta = ref_logp - logp                                     # (N, T)
+        kl = torch.exp(delta) - delta - 1                           # (N, T) k3
+        per_token = per_token + beta * kl                           # (N, T)
+
+    masked = per_token * mask                                       # (N, T)
+    if agg == "token_mean":
+        denom = num_tokens if num_tokens is not None else mask.sum().clamp(min=1)
+        loss = masked.sum() / denom
+    else:
+        if agg == "seq_mean_token_mean":
+            per_seq = masked.sum(dim=1) / mask.sum(dim=1).clamp(min=1)  # (N,)
+        else:
+            if max_len is None:
+                raise ValueError("seq_mean_token_sum_norm needs max_len (the completion length limit)")
+            per_seq = masked.sum(dim=1) / max_len                      # (N,)
+        loss = per_seq.sum() / (num_seqs if num_seqs is not None else logp.shape[0])
+
+    with torch.no_grad():
+        m = mask.bool()                                             # (N, T)
+        low = (ratio < 1 - clip_low) & (adv < 0) & m                # (N, T) the clip binds from below
+        high = (ratio > 1 + clip_high) & (adv > 0) & m              # (N, T) the clip binds from above
+        metrics = {
+            "tokens": mask.sum(),
+            "pg_loss": (pg * mask).sum(),
+            "clip_low": low.sum(),
+            "clip_high": high.sum(),
+            "ratio": (ratio * mask).sum(),
+            "ratio_min": ratio.masked_fill(~m, float("inf")).min(),
+            "ratio_max": ratio.masked_fill(~m, float("-inf")).max(),
+            "kl": (kl * mask).sum() if beta != 0.0 else torch.zeros((), device=logp.device),
+        }
+    return loss, metrics

@@ -1,0 +1,10 @@
+"""Built-in rewards, one file per task. Importing this package registers them all.
+
+| file        | rewards                          | task              |
+|-------------|----------------------------------|-------------------|
+| gsm8k.py    | format, correct, integer         | gsm8k, arith      |
+| length.py   | length_ok                        | any (with --condition) |
+| toolcall.py | tool_format, tool_correct        | toolcall          |
+"""
+
+from rewards import gsm8k, length, toolcall  # noqa: F401  (registration side effects)

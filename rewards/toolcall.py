@@ -1,0 +1,121 @@
+"""Tool-calling rewards, following ToolRL's reward as used in the paper's tool-calling runs.
+
+The example's `ground_truth` is the target text: a think block, then a tool_call block
+(one JSON object per line, each {"name": ..., "parameters": {...}}), a response block, or both:
+
+    <think> ... </think>
+    <tool_call>
+    {"name": "GetNews", "parameters": {"page": "1"}}
+    </tool_call>
+
+| reward       | range   | value                                                                |
+|--------------|---------|----------------------------------------------------------------------|
+| tool_format  | {0, 1}  | 1 if the completion has exactly the ground truth's blocks, in order   |
+| tool_correct | [-3, 3] | how well the predicted tool calls match the ground truth's            |
+
+tool_correct is 0.0 when the ground truth makes no tool call, -3 when the completion's
+calls cannot be parsed, 3 for an exact match of the whole call list, and otherwise
+6 * score / S_max - 3 with
+
+    S_max = 1 + sum over gold calls of (1 + number of its parameters)
+    score = overlap(gold names, predicted names)
+            + for each gold call, its best unused predicted call of the same name:
+              overlap(parameter names) + number of parameter values equal exactly
+
+where overlap(a, b) = |a & b| / (|a| + |b| - |a & b|) counts repeated names (multisets).
+"""
+
+import json
+import re
+from collections import Counter
+
+from minigdpo.rewards import register
+
+MAX_SCORE, MIN_SCORE = 3.0, -3.0
+
+_PATTERNS = {  # (has tool_call, has response) -> the shape the completion must have
+    (False, True): r"^<think>.*?</think>\n<response>.*?</response>$",
+    (True, False): r"^<think>.*?</think>\n<tool_call>\n.*?\n</tool_call>$",
+    (True, True): r"^<think>.*?</think>\n<tool_call>\n.*?\n</tool_call>\n<response>.*?</response>$",
+    (False, False): r"^<think>.*?</think>$",
+}
+_PATTERNS = {k: re.compile(v, re.DOTALL) for k, v in _PATTERNS.items()}
+
+
+def _blocks(ground_truth):
+    return "<tool_call>" in ground_truth, "<response>" in ground_truth
+
+
+@register("tool_format", low=0.0, high=1.0)
+def tool_format(completion, example):
+    has_call, has_response = _blocks(example["ground_truth"])
+    tags = ["think"] + ["tool_call"] * has_call + ["response"] * has_response
+    # Count first: with each tag present once, the regex below runs in linear time.
+    if any(completion.count(f"<{t}>") != 1 or completion.count(f"</{t}>") != 1 for t in tags):
+        return 0.0
+    return 1.0 if _PATTERNS[has_call, has_response].search(completion) else 0.0
+
+
+def parse_calls(text):
+    """The calls in the first <tool_call> block of `text`: one JSON object per line."""
+    if "<tool_call>" not in text or "</tool_call>" not in text:
+        raise ValueError("no <tool_call> block")
+    block = text.split("<tool_call>")[1].split("</tool_call>")[0].strip()
+    calls = [json.loads(line) for line in block.split("\n")]
+    if not all(isinstance(c, dict) and "name" in c for c in calls):
+        raise ValueError("every tool call must be a JSON object with a name")
+    return calls
+
+
+def overlap(a, b):
+    """Frequency-aware overlap of two lists: |a & b| / (|a| + |b| - |a & b|)."""
+    if a == b:
+        return 1.0
+    if not a or not b:
+        return 0.0
+    common = sum((Counter(a) & Counter(b)).values())
+    return common / (len(a) + len(b) - common)
+
+
+def _params(call):
+    params = call["parameters"]
+    if not isinstance(params, dict):
+        raise ValueError("tool call parameters must be a JSON object")
+    return params
+
+
+def call_score(gold, predicted):
+    """Map two call lists to [-3, 3] as described in the module docstring."""
+    if gold == predicted:
+        return MAX_SCORE
+    score = overlap([c["name"] for c in gold], [c["name"] for c in predicted])
+    s_max = 1.0
+    used = set()
+    for g in gold:
+        g_params = _params(g)
+        s_max += 1 + len(g_params)
+        best, best_i = 0.0, None
+        for i, p in enumerate(predicted):
+            if i in used or p["name"] != g["name"]:
+                continue
+            p_params = _params(p)
+            s = overlap(list(g_params), list(p_params))
+            s += sum(1.0 for k, v in g_params.items() if k in p_params and p_params[k] == v)
+            if s > best:
+                best, best_i = s, i
+        if best_i is not None:
+            used.add(best_i)
+            score += best
+    return (MAX_SCORE - MIN_SCORE) * score / s_max + MIN_SCORE
+
+
+@register("tool_correct", low=MIN_SCORE, high=MAX_SCORE)
+def tool_correct(completion, example):
+    truth = example["ground_truth"]
+    if "<tool_call>" not in truth:
+        return 0.0
+    gold = parse_calls(truth)  # a malformed ground truth is a data error, reported by the scorer
+    try:
+        return call_score(gold, parse_calls(completion))
+    except Exception:  # unparseable or ill-typed calls (including absurdly deep JSON) get the minimum
+        return MIN_SCORE

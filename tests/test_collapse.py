@@ -1,0 +1,50 @@
+"""Reward-collapse counts (the paper's Figure 3) on small cases.
+
+Run: pytest tests/test_collapse.py
+"""
+
+import itertools
+import math
+
+import pytest
+import torch
+
+from minigdpo.advantages import ESTIMATORS
+from minigdpo.collapse import count_distinct, distinct_per_group, distinct_rows, enumerate_groups, main
+
+
+@pytest.mark.parametrize("G", range(2, 9))
+def test_grpo_with_two_rewards_gives_one_plus_g_choose_two(G):
+    assert count_distinct("grpo", G, 2) == 1 + G * (G - 1) // 2
+
+
+def test_paper_smallest_example():
+    assert count_distinct("grpo", 2, 2) == 2
+    assert count_distinct("gdpo", 2, 2) == 3
+
+
+@pytest.mark.parametrize("G,R", [(2, 2), (3, 2), (4, 2), (2, 3), (3, 3), (4, 3)])
+def test_multiset_enumeration_equals_brute_force_over_ordered_groups(G, R):
+    outcomes = list(itertools.product([0.0, 1.0], repeat=R))
+    ordered = torch.tensor(list(itertools.product(outcomes, repeat=G)), dtype=torch.float64)  # (2^(RG), G, R)
+    groups = enumerate_groups(G, R)
+    assert groups.shape[0] == min(math.comb(2**R + G - 1, G), math.comb(2**G + R - 1, R))
+    for name, fn in ESTIMATORS.items():
+        assert count_distinct(name, G, R) == distinct_rows(fn(ordered, None, eps=0.0)), name
+
+
+@pytest.mark.parametrize("G,R", [(4, 2), (4, 3), (6, 2)])
+def test_gdpo_keeps_more_groups_than_grpo(G, R):
+    grpo, no_std, gdpo = (count_distinct(n, G, R) for n in ("grpo", "grpo_no_std", "gdpo"))
+    assert grpo < no_std < gdpo
+
+
+def test_distinct_per_group():
+    adv = torch.tensor([[0.5, 0.5, -1.0, 0.0], [0.0, 0.0, 0.0, 0.0], [1.0, 2.0, 3.0, 4.0]])
+    assert distinct_per_group(adv).tolist() == [3, 1, 4]
+
+
+def test_cli_prints_table(capsys):
+    main(["--max-group", "4", "--max-rewards", "3"])
+    out = capsys.readouterr().out
+    assert "grpo_no_std" in out and "\n  2            2            3            3\n" in out
