@@ -19,7 +19,7 @@ setup(
     ],
     extras_require={
         "vllm": ["vllm==0.10.2"],  # the one version minigdpo/vllm_sampler.py is written against
-        "test": ["pytest", "hypothesis"],
+        "test": ["pytest", "hypothesis", "matplotlib"],
         "plot": ["matplotlib"],
         "demo": ["gguf", "accelerate"],  # loads the offline demo model from its GGUF file
         "wandb": ["wandb"],

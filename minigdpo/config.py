@@ -1,0 +1,295 @@
+"""One flat config dataclass, its presets, and the command line generated from it.
+
+Every field has a docstring; `python train.py --help` prints them. A preset is a plain
+dict of field values; explicit flags override it. `resolve` checks every value once,
+before any model loads, and computes the derived sizes that train.py prints and logs.
+"""
+
+import argparse
+import ast
+import inspect
+import math
+from dataclasses import MISSING, asdict, dataclass, field, fields
+
+
+class ConfigError(ValueError):
+    """A bad config value; train.py prints it as one line and exits with status 2."""
+
+
+@dataclass
+class Config:
+    # What to train
+    preset: str = "paper-gsm8k"
+    """Starting values: paper-gsm8k, a100, cpu-demo or smoke. Explicit flags override them."""
+    model: str = "Qwen/Qwen2.5-1.5B-Instruct"
+    """Policy: a Hugging Face hub name, a local directory, or tiny-random (a 2-layer random Llama, offline)."""
+    task: str = "gsm8k"
+    """Prompt set and its default rewards: gsm8k, arith, toolcall, math_length or code."""
+    data: str = ""
+    """Training data: a local .jsonl/.json/.parquet file or a hub dataset name. Empty: the task's default."""
+    rewards: list = field(default_factory=list)
+    """Reward functions, comma-separated registry names or module:function. Empty: the task's default."""
+    reward_weights: list = field(default_factory=list)
+    """One weight per reward, comma-separated (paper Eq. 7). Empty: all 1."""
+    condition: list = field(default_factory=list)
+    """Conditioned rewards (paper Eq. 8), e.g. length_ok:correct>=1. Repeat the flag or separate with commas."""
+    estimator: str = "gdpo"
+    """Advantage estimator: gdpo, grpo or grpo_no_std."""
+
+    # Batch shape
+    group_size: int = 16
+    """G: completions sampled per prompt."""
+    batch_size: int = 512
+    """Completions per step over all ranks (prompts per step x group_size). Must divide by world size x group_size."""
+    micro_batch_size: int = 16
+    """Sequences per forward/backward pass on one rank; gradient accumulation covers the rest."""
+    num_iterations: int = 1
+    """Optimizer passes over each sampled batch (mu in GRPO). 1 skips the old log-prob pass."""
+
+    # Optimisation
+    lr: float = 5e-6
+    """Peak learning rate of AdamW."""
+    lr_schedule: str = "cosine"
+    """cosine or constant, after linear warmup."""
+    warmup_ratio: float = 0.1
+    """Fraction of optimizer steps spent warming up linearly from 0."""
+    weight_decay: float = 0.0
+    """AdamW weight decay."""
+    max_grad_norm: float = 1.0
+    """Gradient clipping threshold (global L2 norm); 0 disables clipping."""
+    beta: float = 0.04
+    """KL coefficient to the frozen reference (k3 estimator). 0 skips the reference model entirely."""
+    clip_low: float = 0.2
+    """Lower clip of the ratio: 1 - clip_low."""
+    clip_high: float = 0.2
+    """Upper clip of the ratio: 1 + clip_high (DAPO's clip-higher uses 0.28)."""
+    loss_agg: str = "token_mean"
+    """Loss aggregation: token_mean, seq_mean_token_mean (original GRPO) or seq_mean_token_sum_norm (Dr. GRPO)."""
+    epochs: float = 1.0
+    """Passes over the prompt set, used when max_steps is 0."""
+    max_steps: int = 0
+    """Run exactly this many steps, wrapping around the prompt set as needed (0: run `epochs` epochs)."""
+    seed: int = 42
+    """Seed for data order, sampling and initialisation."""
+
+    # Sequences and sampling
+    max_prompt_len: int = 512
+    """Prompt tokens kept (longer prompts are cut from the left)."""
+    max_new_tokens: int = 1024
+    """Completion tokens at most."""
+    temperature: float = 1.0
+    """Sampling temperature; log-probs are computed at the same temperature."""
+    top_p: float = 1.0
+    """Nucleus sampling threshold."""
+    sampler: str = "auto"
+    """Rollout backend: hf, vllm, or auto (vllm when it is importable and CUDA is present)."""
+    vllm_gpu_memory_utilization: float = 0.3
+    """Fraction of GPU memory vLLM may take for weights and KV cache (colocated with training)."""
+    tis_cap: float = 0.0
+    """Truncated importance sampling cap for the sampler/trainer mismatch; 0 disables it."""
+    logp_gap_warn: float = 0.1
+    """Warn when the mean |sampler log-prob - trainer log-prob| exceeds this (a stale weight sync shows here)."""
+
+    # Task parameters
+    length_limit: int = 4000
+    """length_ok's limit (tokens unless length_unit says words). The paper's math setting uses 4000."""
+    length_unit: str = "tokens"
+    """Unit of length_limit: tokens or words."""
+    answer_format: str = "answer"
+    """math_length: where the final answer goes, answer (<answer> tags) or boxed (\\boxed{})."""
+    arith_difficulty: int = 2
+    """arith: number of operations per problem (1 to 6)."""
+    reward_timeout: float = 10.0
+    """Seconds one reward call may take before it counts as None."""
+    skip_bad_rows: bool = False
+    """Skip malformed data rows (and report how many) instead of stopping at the first."""
+
+    # Hardware and memory
+    dtype: str = "auto"
+    """Compute dtype: auto (bf16 on GPU, fp32 on CPU), bf16 or fp32. Master weights stay fp32."""
+    grad_checkpointing: bool = False
+    """Recompute activations in the backward pass to save memory."""
+    ref_offload: bool = False
+    """Keep the frozen reference model's shards in CPU memory."""
+    logprob_chunk: int = 1024
+    """Tokens per chunk of the log-softmax, so [B, T, V] float32 logits never exist at once."""
+
+    # Output
+    output_dir: str = "runs/gdpo"
+    """Directory for metrics.jsonl, samples.jsonl and checkpoints."""
+    save_every: int = 50
+    """Checkpoint every this many steps (and at the end); 0 saves only at the end."""
+    keep_checkpoints: int = 2
+    """Complete checkpoints to keep; older ones are deleted."""
+    on_save_error: str = "stop"
+    """What a failed checkpoint write does: stop (cleanly, with the previous checkpoint intact) or continue."""
+    resume: bool = False
+    """Continue from the latest complete checkpoint in output_dir."""
+    samples_every: int = 10
+    """Write a few completions with their rewards to samples.jsonl every this many steps."""
+    wandb: str = ""
+    """Weights & Biases project to log to; empty disables it (wandb is imported only when set)."""
+
+
+PRESETS = {
+    # The paper's released GSM8K recipe: 8 GPUs x 16 completions per device x 4 accumulation
+    # steps = 512 completions (32 prompts x G=16) per optimizer step.
+    "paper-gsm8k": dict(),
+    # One 80 GB A100: G=8, 256 completions per step, micro-batches that fit with vLLM colocated.
+    "a100": dict(group_size=8, batch_size=256, micro_batch_size=8, grad_checkpointing=True, ref_offload=False,
+                 vllm_gpu_memory_utilization=0.35),
+    # Offline, 2 CPU cores, about 10 minutes: SmolLM2-135M-Instruct learns simple arithmetic.
+    "cpu-demo": dict(model="HuggingFaceTB/SmolLM2-135M-Instruct", task="arith", group_size=8, batch_size=32,
+                     micro_batch_size=16, lr=2e-5, warmup_ratio=0.0, lr_schedule="constant", beta=0.04,
+                     max_prompt_len=256, max_new_tokens=48, max_steps=12, temperature=0.7, arith_difficulty=1,
+                     save_every=0, samples_every=4, output_dir="runs/cpu-demo", sampler="hf"),
+    # A tiny random model for tests and smoke runs.
+    "smoke": dict(model="tiny-random", task="arith", group_size=4, batch_size=8, micro_batch_size=4, lr=1e-3,
+                  max_prompt_len=64, max_new_tokens=8, max_steps=2, save_every=1, samples_every=1,
+                  output_dir="runs/smoke", sampler="hf", warmup_ratio=0.0, reward_timeout=5.0),
+}
+
+CHOICES = {
+    "estimator": ("gdpo", "grpo", "grpo_no_std"),
+    "task": ("gsm8k", "arith", "toolcall", "math_length", "code"),
+    "lr_schedule": ("cosine", "constant"),
+    "loss_agg": ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"),
+    "sampler": ("auto", "hf", "vllm"),
+    "dtype": ("auto", "bf16", "fp32"),
+    "length_unit": ("tokens", "words"),
+    "answer_format": ("answer", "boxed"),
+    "on_save_error": ("stop", "continue"),
+    "preset": tuple(PRESETS),
+}
+
+
+def field_docs(cls=Config):
+    """The docstring under each field, read from the class source."""
+    tree = ast.parse(inspect.getsource(cls))
+    body = tree.body[0].body
+    docs = {}
+    for node, nxt in zip(body, body[1:]):
+        if isinstance(node, ast.AnnAssign) and isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant):
+            docs[node.target.id] = " ".join(nxt.value.value.split())
+    return docs
+
+
+def _list_of(kind):
+    def parse(text):
+        items = [x.strip() for x in text.split(",") if x.strip()]
+        try:
+            return [kind(x) for x in items]
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected comma-separated {kind.__name__} values, got {text!r}") from None
+
+    return parse
+
+
+def _bool(text):
+    if text.lower() in ("1", "true", "yes", "on"):
+        return True
+    if text.lower() in ("0", "false", "no", "off"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
+
+
+class _OneLineErrors(argparse.ArgumentParser):
+    def error(self, message):
+        raise ConfigError(message)
+
+
+def build_parser(description=""):
+    parser = _OneLineErrors(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
+    docs = field_docs()
+    for f in fields(Config):
+        flag = "--" + f.name.replace("_", "-")
+        default = f.default if f.default is not MISSING else f.default_factory()
+        help_text = f"{docs.get(f.name, '')} (default: {default!r})"
+        if f.type is bool:
+            parser.add_argument(flag, type=_bool, nargs="?", const=True, default=None, metavar="BOOL", help=help_text)
+        elif f.type is list:
+            kind = float if f.name == "reward_weights" else str
+            action = "extend" if f.name == "condition" else "store"
+            parser.add_argument(flag, type=_list_of(kind), action=action, default=None, metavar="A,B", help=help_text)
+        else:
+            parser.add_argument(flag, type=f.type, default=None, metavar=f.type.__name__.upper(), help=help_text)
+    return parser
+
+
+def parse_args(argv=None, description=""):
+    """Preset values, then explicit flags on top."""
+    args = vars(build_parser(description).parse_args(argv))
+    preset = args["preset"] or Config.preset
+    if preset not in PRESETS:
+        raise ConfigError(f"--preset {preset!r} is not one of {', '.join(PRESETS)}")
+    values = {**PRESETS[preset], **{k: v for k, v in args.items() if v is not None}, "preset": preset}
+    return Config(**values)
+
+
+def _check(ok, message):
+    if not ok:
+        raise ConfigError(message)
+
+
+def validate(cfg):
+    """Raise ConfigError on the first bad value. Needs no model, data or GPU."""
+    for name, choices in CHOICES.items():
+        _check(getattr(cfg, name) in choices, f"--{name.replace('_', '-')} {getattr(cfg, name)!r} is not one of {', '.join(choices)}")
+    positive = ["group_size", "batch_size", "micro_batch_size", "num_iterations", "max_prompt_len", "max_new_tokens",
+                "length_limit", "logprob_chunk", "keep_checkpoints"]
+    for name in positive:
+        _check(getattr(cfg, name) >= 1, f"--{name.replace('_', '-')} must be >= 1, got {getattr(cfg, name)}")
+    for name in ["max_steps", "save_every", "samples_every", "weight_decay", "max_grad_norm", "beta", "tis_cap"]:
+        value = getattr(cfg, name)
+        _check(math.isfinite(value) and value >= 0, f"--{name.replace('_', '-')} must be >= 0, got {value}")
+    _check(cfg.group_size >= 2, f"--group-size must be at least 2 (a group needs two samples to compare), got {cfg.group_size}")
+    _check(cfg.batch_size % cfg.group_size == 0, f"--batch-size {cfg.batch_size} must be a multiple of --group-size {cfg.group_size}")
+    _check(math.isfinite(cfg.lr) and 0 < cfg.lr < 1, f"--lr must be in (0, 1), got {cfg.lr}")
+    _check(0 <= cfg.warmup_ratio < 1, f"--warmup-ratio must be in [0, 1), got {cfg.warmup_ratio}")
+    _check(0 <= cfg.clip_low < 1, f"--clip-low must be in [0, 1), got {cfg.clip_low}")
+    _check(0 <= cfg.clip_high, f"--clip-high must be >= 0, got {cfg.clip_high}")
+    _check(math.isfinite(cfg.temperature) and cfg.temperature > 0, f"--temperature must be > 0, got {cfg.temperature}")
+    _check(0 < cfg.top_p <= 1, f"--top-p must be in (0, 1], got {cfg.top_p}")
+    _check(math.isfinite(cfg.epochs) and cfg.epochs > 0, f"--epochs must be > 0, got {cfg.epochs}")
+    _check(0 < cfg.vllm_gpu_memory_utilization < 1,
+           f"--vllm-gpu-memory-utilization must be in (0, 1), got {cfg.vllm_gpu_memory_utilization}")
+    _check(cfg.reward_timeout > 0, f"--reward-timeout must be > 0, got {cfg.reward_timeout}")
+    _check(1 <= cfg.arith_difficulty <= 6, f"--arith-difficulty must be in 1..6, got {cfg.arith_difficulty}")
+    _check(cfg.logp_gap_warn > 0, f"--logp-gap-warn must be > 0, got {cfg.logp_gap_warn}")
+    _check(cfg.tis_cap == 0 or cfg.tis_cap >= 1, f"--tis-cap must be 0 (off) or >= 1, got {cfg.tis_cap}")
+    _check(bool(cfg.model.strip()), "--model must not be empty")
+    _check(bool(cfg.output_dir.strip()), "--output-dir must not be empty")
+    if cfg.reward_weights:
+        _check(all(math.isfinite(w) for w in cfg.reward_weights), f"--reward-weights must be finite, got {cfg.reward_weights}")
+    return cfg
+
+
+@dataclass
+class Derived:
+    """Sizes computed from the config and the world size, printed and logged with it."""
+
+    world_size: int
+    prompts_per_step: int      # B over all ranks
+    prompts_per_rank: int
+    seqs_per_rank: int         # prompts_per_rank * G
+    grad_accum: int            # micro-batches per optimizer step on one rank
+    total_steps: int           # RL steps (each is num_iterations optimizer steps)
+
+
+def resolve(cfg, world_size, num_prompts):
+    """Validate, then derive sizes for `world_size` ranks and a prompt set of `num_prompts`."""
+    validate(cfg)
+    _check(cfg.batch_size % (world_size * cfg.group_size) == 0,
+           f"--batch-size {cfg.batch_size} must divide by world size x group size = {world_size} x {cfg.group_size}, "
+           "so that every rank holds whole groups")
+    prompts = cfg.batch_size // cfg.group_size
+    per_rank = prompts // world_size
+    seqs = per_rank * cfg.group_size
+    _check(num_prompts >= 1, "the prompt set is empty")
+    steps = cfg.max_steps or max(1, int(cfg.epochs * num_prompts) // prompts)
+    return Derived(world_size, prompts, per_rank, seqs, math.ceil(seqs / cfg.micro_batch_size), steps)
+
+
+def describe(cfg, derived):
+    """The whole config and the derived sizes, as printed at start-up and saved with checkpoints."""
+    return {"config": asdict(cfg), "derived": asdict(derived)}

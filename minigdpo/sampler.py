@@ -1,0 +1,177 @@
+"""Rollout samplers behind one small interface, and the Hugging Face backend.
+
+    sampler.generate(prompt_token_ids, n, params) -> [[Completion] * n for each prompt]
+    sampler.load_weights(named_tensors)           # the trainer's new weights, by HF name
+    sampler.sleep(); sampler.wake()               # free and restore accelerator memory
+
+A Completion holds the sampled token ids (ending with the stop token when one was drawn),
+the log-prob of each under the sampling distribution at the given temperature (before
+top-p truncation, the same quantity the trainer recomputes), and why it ended.
+
+The vLLM backend lives in minigdpo/vllm_sampler.py; `make_sampler` picks one.
+
+Shape legend: B prompts, n samples per prompt, N = B * n rows, P prompt columns, V vocab.
+"""
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class SamplingParams:
+    temperature: float = 1.0   # 0 means greedy
+    top_p: float = 1.0
+    max_new_tokens: int = 256
+    seed: int = 0              # the same seed and weights give the same completions
+    ignore_eos: bool = False   # keep going past stop tokens (benchmarks use fixed lengths)
+
+
+@dataclass
+class Completion:
+    token_ids: list
+    logprobs: list
+    finish_reason: str = "length"  # "stop" when a stop token ended it
+    text: str = field(default="", repr=False)
+
+
+def left_pad(prompts, pad_id, device):
+    """(B, P) token ids and attention mask for prompts of different lengths."""
+    P = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), P), pad_id, dtype=torch.long)      # (B, P)
+    mask = torch.zeros((len(prompts), P), dtype=torch.long)            # (B, P)
+    for i, p in enumerate(prompts):
+        if p:
+            ids[i, P - len(p):] = torch.tensor(p)
+            mask[i, P - len(p):] = 1
+    return ids.to(device), mask.to(device)
+
+
+def sample_next(logits, params, generator):
+    """Draw one token per row from (N, V) logits; returns tokens and their log-probs (N,)."""
+    logits = logits.float()
+    if params.temperature == 0:
+        tokens = logits.argmax(-1)                                     # (N,)
+        logp = torch.log_softmax(logits, -1)                           # (N, V)
+        return tokens, logp.gather(-1, tokens[:, None]).squeeze(-1)
+    logp = torch.log_softmax(logits / params.temperature, -1)          # (N, V)
+    probs = logp.exp()                                                 # (N, V)
+    if params.top_p < 1.0:
+        sorted_p, order = probs.sort(-1, descending=True)              # (N, V)
+        outside = sorted_p.cumsum(-1) - sorted_p > params.top_p        # (N, V) beyond the nucleus
+        sorted_p = sorted_p.masked_fill(outside, 0.0)
+        probs = torch.zeros_like(probs).scatter(-1, order, sorted_p)   # (N, V)
+    tokens = torch.multinomial(probs, 1, generator=generator).squeeze(-1)  # (N,)
+    return tokens, logp.gather(-1, tokens[:, None]).squeeze(-1)
+
+
+class HFSampler:
+    """Batched sampling with a plain (unsharded) Hugging Face model and its KV cache.
+
+    Each prompt is prefilled once and its cache is copied to its n samples. Every sequence
+    stops at its own stop token; the batch ends when all have stopped or at max_new_tokens.
+    The model is a separate inference copy: `load_weights` refreshes it after each update.
+    """
+
+    def __init__(self, model, stop_ids, pad_id, device, tokenizer=None):
+        self.model = model.to(device).eval()
+        self.model.config.use_cache = True
+        self.stop_ids = torch.tensor(sorted(stop_ids), device=device)
+        self.pad_id = pad_id
+        self.device = device
+        self.tokenizer = tokenizer
+        self.offloaded = False
+
+    @torch.no_grad()
+    def generate(self, prompts, n, params):
+        B = len(prompts)
+        ids, mask = left_pad(prompts, self.pad_id, self.device)            # (B, P)
+        pos = (mask.cumsum(-1) - 1).clamp(min=0)                            # (B, P)
+        out = self.model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True)
+        cache, logits = out.past_key_values, out.logits[:, -1]              # (B, V)
+        if n > 1:  # share the prefill: copy each prompt's cache to its n samples
+            cache.batch_repeat_interleave(n)
+            logits, mask = logits.repeat_interleave(n, 0), mask.repeat_interleave(n, 0)  # (N, V), (N, P)
+        N = B * n
+        next_pos = mask.sum(-1)                                             # (N,)
+        generator = torch.Generator(device=self.device).manual_seed(params.seed)
+        tokens = torch.full((N, params.max_new_tokens), self.pad_id, dtype=torch.long, device=self.device)
+        logps = torch.zeros((N, params.max_new_tokens), device=self.device)
+        done = torch.zeros(N, dtype=torch.bool, device=self.device)        # (N,)
+        lengths = torch.full((N,), params.max_new_tokens, device=self.device)
+        for t in range(params.max_new_tokens):
+            tok, lp = sample_next(logits, params, generator)                # (N,), (N,)
+            tok = torch.where(done, self.pad_id, tok)
+            tokens[:, t], logps[:, t] = tok, torch.where(done, 0.0, lp)
+            if not params.ignore_eos:
+                stopped = ~done & torch.isin(tok, self.stop_ids)
+                lengths = torch.where(stopped, t + 1, lengths)
+                done |= stopped
+                if bool(done.all()):
+                    break
+            # Rows that are done feed padding; their outputs are never read, so the new column can be all ones.
+            mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)  # (N, P + t + 1)
+            out = self.model(input_ids=tok[:, None], attention_mask=mask, position_ids=next_pos[:, None],
+                             past_key_values=cache, use_cache=True)
+            cache, logits = out.past_key_values, out.logits[:, -1]
+            next_pos = next_pos + 1
+        return self._completions(tokens.cpu(), logps.cpu(), lengths.cpu(), B, n)
+
+    def _completions(self, tokens, logps, lengths, B, n):
+        stop = set(self.stop_ids.tolist())
+        rows = []
+        for i in range(B * n):
+            L = int(lengths[i])
+            ids = tokens[i, :L].tolist()
+            finish = "stop" if ids and ids[-1] in stop else "length"
+            text = self.tokenizer.decode(ids, skip_special_tokens=True) if self.tokenizer is not None else ""
+            rows.append(Completion(ids, logps[i, :L].tolist(), finish, text))
+        return [rows[b * n:(b + 1) * n] for b in range(B)]
+
+    @torch.no_grad()
+    def load_weights(self, named_tensors):
+        params = self.model.state_dict(keep_vars=True)
+        for name, tensor in named_tensors:
+            if name not in params:
+                raise KeyError(f"sampler model has no parameter {name!r}")
+            params[name].data.copy_(tensor.to(params[name].device, params[name].dtype))
+
+    def sleep(self):
+        """Move the inference copy off the accelerator while the trainer needs the memory."""
+        if self.device.type == "cuda" and not self.offloaded:
+            self.model.to("cpu")
+            torch.cuda.empty_cache()
+            self.offloaded = True
+
+    def wake(self):
+        if self.offloaded:
+            self.model.to(self.device)
+            self.offloaded = False
+
+
+
+class SamplerUnavailable(RuntimeError):
+    """The requested backend cannot run here; the message says why in one line."""
+
+
+def vllm_available():
+    import importlib.util
+
+    return importlib.util.find_spec("vllm") is not None and torch.cuda.is_available()
+
+
+def make_sampler(kind, model_path, device, tokenizer, stop_ids, dtype, seed=0, **vllm_options):
+    """The rollout backend: "hf", "vllm", or "auto" (vLLM when importable with CUDA, else HF)."""
+    if kind == "auto":
+        kind = "vllm" if vllm_available() else "hf"
+    if kind == "vllm":
+        if not torch.cuda.is_available():
+            raise SamplerUnavailable("--sampler vllm needs a CUDA GPU; use --sampler hf on this machine")
+        try:
+            from minigdpo.vllm_sampler import VLLMSampler
+        except ImportError as e:
+            raise SamplerUnavailable(f"--sampler vllm needs vLLM: pip install 'minigdpo[vllm]' ({e})") from None
+        return VLLMSampler(model_path, tokenizer, stop_ids, seed=seed, dtype=dtype, **vllm_options)
+    from minigdpo.policy import load_model
+
+    return HFSampler(load_model(model_path, dtype), stop_ids, tokenizer.pad_token_id, device, tokenizer)

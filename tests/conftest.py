@@ -1,0 +1,54 @@
+"""Shared test setup: an isolated model cache, helpers to run train.py, and a one-process group."""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+
+import pytest
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture(scope="session", autouse=True)
+def model_cache(tmp_path_factory):
+    """tiny-random is built once per test session into a private cache (subprocesses inherit it)."""
+    os.environ.setdefault("MINIGDPO_CACHE", str(tmp_path_factory.mktemp("cache")))
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"
+    torch.set_num_threads(2)
+    return os.environ["MINIGDPO_CACHE"]
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run(args, nproc=1, env=None, timeout=300, check=True):
+    """Run train.py (or another script) as a user would: python or torchrun, from the repo root."""
+    if nproc > 1:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
+               "--master_port", str(free_port())] + args
+    else:
+        cmd = [sys.executable] + args
+    full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **(env or {})}
+    proc = subprocess.run(cmd, cwd=ROOT, env=full_env, capture_output=True, text=True, timeout=timeout)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"{' '.join(cmd)} exited {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")
+    return proc
+
+
+def read_jsonl(path):
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+@pytest.fixture(scope="session")
+def process_group():
+    """A world-size-1 process group for in-process tests of FSDP2 code."""
+    from minigdpo import dist
+
+    return dist.init()

@@ -1,0 +1,56 @@
+"""One policy update on a fixed global batch, split over however many ranks run it.
+
+    torchrun --nproc_per_node 2 tests/dist_update.py OUT.pt
+
+Rank 0 saves the full parameters and the loss statistics to OUT.pt; the test compares the
+1-rank and 2-rank results. The micro-batch size differs between the two runs on purpose.
+"""
+
+import os
+import sys
+from types import SimpleNamespace
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import train  # noqa: E402
+from minigdpo import dist, policy  # noqa: E402
+from minigdpo.sampler import Completion  # noqa: E402
+
+
+def main(out, agg):
+    device = dist.init()
+    torch.manual_seed(0)
+    path = policy.resolve_model("tiny-random")
+    model = policy.build(path, device, torch.float32)
+    ref = policy.build(path, device, torch.float32, frozen=True)
+    opt = policy.optimizer(model, 1e-3, 0.0)
+    sched = policy.scheduler(opt, 10, 0.0, "constant")
+    g = torch.Generator().manual_seed(123)
+    S = 8  # global sequences
+    prompts = [torch.randint(0, 250, (int(torch.randint(3, 9, (1,), generator=g)),), generator=g).tolist() for _ in range(S)]
+    comps = []
+    for _ in range(S):
+        n = int(torch.randint(1, 7, (1,), generator=g))
+        comps.append(Completion(torch.randint(0, 250, (n,), generator=g).tolist(), (-torch.rand(n, generator=g)).tolist()))
+    adv = torch.randn(S, generator=g)
+    world, rank = dist.world_size(), dist.rank()
+    per = S // world
+    mine = slice(rank * per, (rank + 1) * per)
+    cfg = SimpleNamespace(num_iterations=2, temperature=1.0, logprob_chunk=3, tis_cap=0.0, clip_low=0.2, clip_high=0.2,
+                          beta=0.1, loss_agg=agg, max_new_tokens=6, max_grad_norm=1.0)
+    batches = train.micro_batches(prompts[mine], comps[mine], adv[mine], 3 if world == 1 else 2, 257, device)
+    train.fill_logprobs(ref, batches, "ref_logp", cfg)
+    train.fill_logprobs(model, batches, "old_logp", cfg)
+    tokens = dist.all_reduce(sum(mb["mask"].sum() for mb in batches).reshape(1)).item()
+    totals = train.update(model, opt, sched, batches, cfg, tokens / world, S // world)
+    stats = train.loss_metrics(totals)
+    params = {name: t.clone() for name, t in policy.hf_state(model)}
+    if dist.is_main():
+        torch.save({"params": params, "stats": stats}, out)
+    dist.cleanup()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2] if len(sys.argv) > 2 else "token_mean")

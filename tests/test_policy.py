@@ -1,0 +1,156 @@
+"""The model side: chunked log-probs against the naive ones, the HF sampler, checkpoints that
+from_pretrained loads, and the streamed weight sync.
+
+Run: pytest tests/test_policy.py
+"""
+
+import os
+
+import pytest
+import torch
+
+from minigdpo import checkpoint, dist, policy
+from minigdpo.sampler import Completion, HFSampler, SamplingParams, sample_next
+from train import micro_batches
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    path = policy.resolve_model("tiny-random")
+    return path, policy.load_tokenizer(path)
+
+
+def naive_logprobs(lm, ids, attn, T, temperature=1.0):
+    pos = (attn.cumsum(-1) - 1).clamp(min=0)
+    logits = lm(input_ids=ids, attention_mask=attn, position_ids=pos).logits[:, -T - 1:-1].float() / temperature
+    return torch.log_softmax(logits, -1).gather(-1, ids[:, -T:, None]).squeeze(-1)
+
+
+def random_batch(seed=0, S=5):
+    g = torch.Generator().manual_seed(seed)
+    prompts = [torch.randint(0, 250, (int(torch.randint(2, 10, (1,), generator=g)),), generator=g).tolist() for _ in range(S)]
+    lengths = [int(torch.randint(1, 8, (1,), generator=g)) for _ in range(S)]
+    comps = [Completion(torch.randint(0, 250, (n,), generator=g).tolist(), [0.0] * n) for n in lengths]
+    return prompts, comps
+
+
+@pytest.mark.parametrize("chunk", [1, 3, 1024])
+def test_chunked_logprobs_equal_naive_values_and_gradients(tiny, chunk):
+    path, _ = tiny
+    lm = policy.load_model(path)
+    model = policy.LogProbModel(lm)
+    prompts, comps = random_batch()
+    (mb,) = micro_batches(prompts, comps, torch.zeros(5), 8, 257, torch.device("cpu"))
+    T = mb["mask"].shape[1]
+    got = model(mb["ids"], mb["attn"], mb["mask"], 0.7, chunk)
+    want = naive_logprobs(lm, mb["ids"], mb["attn"], T, 0.7) * mb["mask"]
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
+    (got * torch.arange(T)).sum().backward()
+    grads = [p.grad.clone() for p in lm.parameters()]
+    lm.zero_grad()
+    (want * torch.arange(T)).sum().backward()
+    for a, p in zip(grads, lm.parameters()):
+        torch.testing.assert_close(a, p.grad, atol=1e-5, rtol=1e-4)
+
+
+def test_entropy_matches_the_full_distribution(tiny):
+    path, _ = tiny
+    lm = policy.load_model(path)
+    prompts, comps = random_batch(1)
+    (mb,) = micro_batches(prompts, comps, torch.zeros(5), 8, 257, torch.device("cpu"))
+    with torch.no_grad():
+        _, ent = policy.LogProbModel(lm)(mb["ids"], mb["attn"], mb["mask"], 1.0, 4, entropy=True)
+        T = mb["mask"].shape[1]
+        pos = (mb["attn"].cumsum(-1) - 1).clamp(min=0)
+        logp = torch.log_softmax(lm(input_ids=mb["ids"], attention_mask=mb["attn"], position_ids=pos).logits[:, -T - 1:-1], -1)
+        want = -(logp.exp() * logp).sum(-1) * mb["mask"]
+    torch.testing.assert_close(ent, want, atol=1e-5, rtol=0)
+
+
+def test_sampler_logprobs_match_a_full_forward_and_stop_per_sequence(tiny):
+    path, tok = tiny
+    lm = policy.load_model(path)
+    prompts = [[10, 11, 12, 13, 14, 15], [20], [30, 31, 32]]
+    stop = [65, 66, 67, 68, 69, 70]  # frequent enough in 30 random bytes to stop some sequences early
+    sampler = HFSampler(lm, stop, tok.pad_token_id, torch.device("cpu"))
+    out = sampler.generate(prompts, 3, SamplingParams(temperature=0.9, max_new_tokens=30, seed=5))
+    assert [len(g) for g in out] == [3, 3, 3]
+    finishes = {c.finish_reason for g in out for c in g}
+    assert finishes == {"stop", "length"}
+    for p, group in zip(prompts, out):
+        for c in group:
+            if c.finish_reason == "stop":
+                assert c.token_ids[-1] in stop and not set(c.token_ids[:-1]) & set(stop)
+            else:
+                assert len(c.token_ids) == 30
+            ids = torch.tensor([p + c.token_ids])
+            with torch.no_grad():
+                want = torch.log_softmax(lm(ids).logits[0, len(p) - 1:-1] / 0.9, -1)
+            want = want.gather(-1, torch.tensor(c.token_ids)[:, None]).squeeze(-1)
+            torch.testing.assert_close(torch.tensor(c.logprobs), want, atol=1e-4, rtol=0)
+    again = sampler.generate(prompts, 3, SamplingParams(temperature=0.9, max_new_tokens=30, seed=5))
+    assert [c.token_ids for g in again for c in g] == [c.token_ids for g in out for c in g]
+
+
+def test_top_p_and_greedy():
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]])).repeat(2000, 1)
+    g = torch.Generator().manual_seed(0)
+    tokens, lp = sample_next(logits, SamplingParams(top_p=0.7), g)
+    assert set(tokens.tolist()) == {0, 1}  # the nucleus of 0.7 holds the two largest
+    assert torch.allclose(lp[tokens == 0], torch.log(torch.tensor(0.5)))  # log-probs before truncation
+    tokens, _ = sample_next(logits, SamplingParams(temperature=0), g)
+    assert set(tokens.tolist()) == {0}
+
+
+def test_checkpoint_loads_with_from_pretrained_and_sync_streams_every_weight(tiny, process_group, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    path, tok = tiny
+    device = process_group
+    model = policy.build(path, device, torch.float32)
+    opt = policy.optimizer(model, 1e-2, 0.0)
+    sched = policy.scheduler(opt, 4, 0.0, "constant")
+    prompts, comps = random_batch(2)
+    (mb,) = micro_batches(prompts, comps, torch.ones(5), 8, 257, device)
+    (-model(mb["ids"], mb["attn"], mb["mask"]).sum()).backward()
+    opt.step()
+    where = checkpoint.save(str(tmp_path), 1, model, opt, sched, tok, {"cursor": 0}, torch.float32, keep=2)
+    assert checkpoint.latest(str(tmp_path)) == where
+    loaded = AutoModelForCausalLM.from_pretrained(os.path.join(where, "hf"))
+    live = dict(policy.hf_state(model))
+    assert "lm_head.weight" not in live and policy.tied_names(model) == {"lm_head.weight": "model.embed_tokens.weight"}
+    for name, t in loaded.state_dict().items():
+        torch.testing.assert_close(t, live[policy.tied_names(model).get(name, name)], rtol=0, atol=0)
+    # the sampler's copy follows the trained weights through load_weights
+    sampler = HFSampler(policy.load_model(path), [256], 257, device)
+    sampler.load_weights(policy.hf_state(model))
+    for name, t in sampler.model.state_dict().items():
+        torch.testing.assert_close(t, live[policy.tied_names(model).get(name, name)], rtol=0, atol=0)
+    with pytest.raises(KeyError, match="no parameter 'nope'"):
+        sampler.load_weights([("nope", torch.zeros(1))])
+
+
+def test_partial_checkpoints_are_ignored_and_removed(tmp_path):
+    base = tmp_path / "checkpoints"
+    (base / "step_000002").mkdir(parents=True)
+    (base / "step_000002" / "COMPLETE").write_text("ok")
+    (base / "step_000004").mkdir()              # renamed without COMPLETE cannot happen, but is not trusted either
+    (base / "step_000006.partial").mkdir()
+    assert checkpoint.latest(str(tmp_path)).endswith("step_000002")
+    removed = checkpoint.remove_partial(str(tmp_path))
+    assert sorted(os.path.basename(p) for p in removed) == ["step_000004", "step_000006.partial"]
+    assert sorted(os.listdir(base)) == ["step_000002"]
+
+
+def test_lr_schedule():
+    f = policy.lr_lambda(10, 0.2, "cosine")
+    assert [round(f(s), 3) for s in (0, 1, 2, 6, 10)] == [0.5, 1.0, 1.0, 0.5, 0.0]
+    assert policy.lr_lambda(10, 0.0, "constant")(7) == 1.0
+
+
+def test_stop_tokens_merge_every_declared_eos(tiny):
+    from types import SimpleNamespace
+
+    _, tok = tiny
+    ids = policy.stop_token_ids(SimpleNamespace(eos_token_id=5), SimpleNamespace(eos_token_id=[7, 5]), tok)
+    assert ids == sorted({5, 7, tok.eos_token_id})
