@@ -31,8 +31,6 @@ Launch:
 Shape legend: B prompts, G samples per prompt, R rewards, S = this rank's sequences, T tokens.
 """
 
-import math
-import os
 import sys
 import time
 

@@ -3,11 +3,13 @@
 A task turns raw rows into examples: a dict with `messages` (the chat prompt) and the
 ground truth under the keys its rewards read (`answer`, `ground_truth`, `tests`).
 
-| task     | source                                                   | default rewards           |
-|----------|----------------------------------------------------------|---------------------------|
-| gsm8k    | jsonl/parquet with question/answer, or openai/gsm8k      | correct, integer, format  |
-| arith    | generated here: integer word problems with one worked example, offline | correct, integer, format  |
-| toolcall | ToolRL rows (prompt + reward_model.ground_truth), or its SFT file (instruction/input/output) | tool_format, tool_correct |
+| task        | source                                                              | default rewards          |
+|-------------|---------------------------------------------------------------------|--------------------------|
+| gsm8k       | question/answer rows (GSM8K's jsonl), or openai/gsm8k               | correct, integer, format |
+| arith       | generated here: integer word problems with one worked example       | correct, integer, format |
+| toolcall    | ToolRL rows (prompt + reward_model.ground_truth) or its SFT file (instruction/input/output) | tool_format, tool_correct |
+| math_length | problem (or question) / answer rows; GSM8K's "####" and MATH's \\boxed solutions work too | correct, length_ok |
+| code        | question / tests rows (or APPS-style input_output); built-in: 24 problems | pass, length_ok, no_bug |
 
 Bad rows stop loading with `FILE:LINE: what is wrong`, or with skip_bad=True are skipped and
 counted.
@@ -18,8 +20,12 @@ import os
 import random
 from dataclasses import dataclass, field
 
+from minigdpo.code_problems import PROBLEMS
+from rewards.code import SYSTEM_PROMPT as CODE_SYSTEM_PROMPT
 from rewards.gsm8k import SYSTEM_PROMPT as MATH_SYSTEM_PROMPT
 from rewards.gsm8k import answer_from_solution
+from rewards.math_length import SYSTEM_PROMPTS as MATH_LENGTH_PROMPTS
+from rewards.math_length import last_boxed
 
 
 class DataError(ValueError):
@@ -89,12 +95,12 @@ def _hub_rows(name, split):
     return list(load_dataset(repo, config or None, split=split))
 
 
-def _convert(source, numbered_rows, convert, skip_bad, skipped):
+def _convert(source, numbered_rows, convert, extra, skip_bad, skipped):
     """Apply a row converter; a missing field or bad value names the file and line."""
     examples = []
     for number, row in numbered_rows:
         try:
-            examples.append(convert(row))
+            examples.append(convert(row, extra))
         except (KeyError, TypeError, ValueError, AttributeError, IndexError) as e:
             problem = f"missing field {e}" if isinstance(e, KeyError) else str(e)
             if not skip_bad:
@@ -103,13 +109,13 @@ def _convert(source, numbered_rows, convert, skip_bad, skipped):
     return examples
 
 
-def load_rows(data, split, convert, skip_bad):
+def load_rows(data, split, convert, extra, skip_bad):
     """Examples from a local file or a hub dataset; returns (examples, skipped count)."""
     if os.path.exists(data) or data.endswith((".jsonl", ".json", ".parquet")):
         numbered, skipped = read_rows(data, skip_bad)
     else:
         numbered, skipped = list(enumerate(_hub_rows(data, split), start=1)), []
-    examples = _convert(data, numbered, convert, skip_bad, skipped)
+    examples = _convert(data, numbered, convert, extra, skip_bad, skipped)
     if not examples:
         raise DataError(f"{data}: no usable rows" + (f" ({len(skipped)} malformed)" if skipped else ""))
     return examples, len(skipped)
@@ -123,13 +129,13 @@ def _text(value, what):
     return value
 
 
-def gsm8k_example(row):
+def gsm8k_example(row, extra):
     return {"messages": [{"role": "system", "content": MATH_SYSTEM_PROMPT},
                          {"role": "user", "content": _text(row["question"], "question")}],
             "answer": answer_from_solution(_text(row["answer"], "answer"))}
 
 
-def toolcall_example(row):
+def toolcall_example(row, extra):
     if "prompt" in row:  # ToolRL's RL format
         messages = [{"role": m["role"], "content": m["content"]} for m in row["prompt"]]
         truth = row["reward_model"]["ground_truth"]
@@ -140,6 +146,46 @@ def toolcall_example(row):
     if not messages:
         raise ValueError("empty prompt")
     return {"messages": messages, "ground_truth": _text(truth, "ground_truth")}
+
+
+def _field(row, *names):
+    for name in names:
+        if row.get(name) not in (None, ""):
+            return row[name]
+    raise KeyError(names[-1] if len(names) == 1 else " or ".join(repr(n) for n in names))
+
+
+def math_length_example(row, extra):
+    question = _text(_field(row, "problem", "question"), "problem")
+    answer = row.get("answer")
+    if answer in (None, ""):
+        solution = _text(_field(row, "solution"), "solution")
+        answer = answer_from_solution(solution) if "####" in solution else last_boxed(solution)
+    elif "####" in str(answer):
+        answer = answer_from_solution(str(answer))
+    if answer in (None, ""):
+        raise ValueError("no final answer in the row")
+    fmt = extra.get("answer_format", "answer")
+    return {"messages": [{"role": "system", "content": MATH_LENGTH_PROMPTS[fmt]}, {"role": "user", "content": question}],
+            "answer": str(answer).strip(), "answer_check": "math"}
+
+
+def code_example(row, extra):
+    question = _text(_field(row, "question", "problem", "prompt"), "question")
+    tests = row.get("tests")
+    if tests is None and "input_output" in row:  # APPS / TACO style
+        io = json.loads(row["input_output"]) if isinstance(row["input_output"], str) else row["input_output"]
+        tests = [{"input": i, "output": o} for i, o in zip(io["inputs"], io["outputs"])]
+    if isinstance(tests, str):
+        tests = json.loads(tests)
+    if not isinstance(tests, list) or not tests:
+        raise ValueError("field 'tests' must be a non-empty list")
+    for t in tests:
+        if not isinstance(t, dict) or not (isinstance(t.get("assert"), str) or
+                                           (isinstance(t.get("input", ""), str) and isinstance(t.get("output"), str))):
+            raise ValueError('each test must be {"input": str, "output": str} or {"assert": str}')
+    return {"messages": [{"role": "system", "content": CODE_SYSTEM_PROMPT}, {"role": "user", "content": question}],
+            "tests": tests}
 
 
 _NAMES = ["Ava", "Ben", "Cleo", "Dev", "Emma", "Finn", "Gita", "Hugo", "Iris", "Jon"]
@@ -188,24 +234,28 @@ DEFAULT_REWARDS = {
     "gsm8k": ["correct", "integer", "format"],
     "arith": ["correct", "integer", "format"],
     "toolcall": ["tool_format", "tool_correct"],
+    "math_length": ["correct", "length_ok"],
+    "code": ["pass", "length_ok", "no_bug"],
 }
-DEFAULT_DATA = {"gsm8k": "openai/gsm8k:main"}
-CONVERTERS = {"gsm8k": gsm8k_example, "toolcall": toolcall_example}
+DEFAULT_DATA = {"gsm8k": "openai/gsm8k:main", "math_length": "agentica-org/DeepScaleR-Preview-Dataset"}
+CONVERTERS = {"gsm8k": gsm8k_example, "toolcall": toolcall_example, "math_length": math_length_example,
+              "code": code_example}
 
 
 def load_task(name, data="", split="train", skip_bad=False, arith_difficulty=2, extra=None):
     """The examples of a task, with the task's default rewards and `extra` keys on every example."""
     if name not in DEFAULT_REWARDS:
         raise DataError(f"unknown task {name!r}; choose from {', '.join(DEFAULT_REWARDS)}")
-    skipped = 0
+    skipped, extra = 0, dict(extra or {})
     if name == "arith" and not data:
         examples = arith_examples(arith_difficulty, seed=1234 if split == "train" else 4321)
+    elif name == "code" and not data:  # the built-in set serves both training and evaluation offline
+        examples = [code_example(p, extra) for p in PROBLEMS]
     else:
         source = data or DEFAULT_DATA.get(name)
         if not source:
             raise DataError(f"task {name!r} needs --data (a local .jsonl/.json/.parquet file or a hub dataset name)")
-        examples, skipped = load_rows(source, split, CONVERTERS.get(name, gsm8k_example), skip_bad)
-    extra = dict(extra or {})
+        examples, skipped = load_rows(source, split, CONVERTERS[name], extra, skip_bad)
     examples = [{**ex, **extra} for ex in examples] if extra else examples
     return Task(name, examples, DEFAULT_REWARDS[name], skipped, extra)
 

@@ -19,7 +19,6 @@ import tempfile
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from minigdpo import dist

@@ -9,6 +9,7 @@ The completion is asked to look like
 |---------|--------------------------------------------------------------------------------|
 | format  | 1 if the whole completion is one think block then one answer block, else 0     |
 | correct | 1 if the text in the last <answer>...</answer>, stripped, equals the answer    |
+|         | (math_length examples compare by value instead: rewards/math_length.py)        |
 | integer | 1 if that extracted answer is all digits, else 0                               |
 
 One normalisation beyond the released code: GSM8K writes 93 of its 8,792 answers with thousands
@@ -20,6 +21,7 @@ the same digits without them, on both sides; every other input scores as release
 import re
 
 from minigdpo.rewards import register
+from rewards.math_length import final_answer, math_equal
 
 SYSTEM_PROMPT = """You are a careful math assistant.
 Work through the problem step by step, then give the final answer as a plain integer.
@@ -55,8 +57,10 @@ def format_reward(completion, example):
 
 @register("correct", low=0.0, high=1.0)
 def correct_reward(completion, example):
-    predicted = extract_answer(completion)
     gold = str(example["answer"]).strip()
+    if example.get("answer_check") == "math":  # the math_length task: compare by value (rewards/math_length.py)
+        return 1.0 if math_equal(final_answer(completion, example.get("answer_format", "answer")), gold) else 0.0
+    predicted = extract_answer(completion)
     return 1.0 if _drop_separators(predicted) == _drop_separators(gold) else 0.0
 
 

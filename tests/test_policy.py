@@ -9,7 +9,7 @@ import os
 import pytest
 import torch
 
-from minigdpo import checkpoint, dist, policy
+from minigdpo import checkpoint, policy
 from minigdpo.sampler import Completion, HFSampler, SamplingParams, sample_next
 from train import micro_batches
 
