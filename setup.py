@@ -12,13 +12,13 @@ setup(
     packages=["minigdpo", "rewards"],
     install_requires=[
         "torch>=2.6",  # FSDP2's public fully_shard
-        "transformers>=4.51",
+        "transformers>=4.56",  # the dtype= loading argument
         "numpy",
         "safetensors",
         "tqdm",
     ],
     extras_require={
-        "vllm": ["vllm==0.10.2"],  # the one version minigdpo/vllm_sampler.py is written against
+        "vllm": ["vllm==0.10.2"],  # the one version minigdpo/vllm_sampler.py is written against (it brings torch 2.8)
         "test": ["pytest", "hypothesis", "matplotlib"],
         "plot": ["matplotlib"],
         "demo": ["gguf", "accelerate"],  # loads the offline demo model from its GGUF file

@@ -41,7 +41,7 @@ from minigdpo.advantages import ESTIMATORS, Condition, apply_conditions
 from minigdpo.collapse import distinct_per_group
 from minigdpo.loss import policy_loss
 from minigdpo.rewards import RewardScorer
-from minigdpo.sampler import SamplingParams, SamplerUnavailable, make_sampler
+from minigdpo.sampler import SamplingParams, SamplerUnavailable, make_sampler, resolve_kind
 
 
 def compute_dtype(cfg, device):
@@ -119,6 +119,7 @@ def update(model, opt, sched, batches, cfg, num_tokens, num_seqs):
             totals["skipped_steps"] = totals.get("skipped_steps", 0) + 1
         sched.step()
         totals["grad_norm"] = grad_norm
+    opt.zero_grad(set_to_none=True)  # free the gradients before the sampler wakes up
     totals["logp_gap"] = gap
     return totals
 
@@ -163,6 +164,7 @@ def main(argv=None):
     extra = {"length_limit": cfg.length_limit, "length_unit": cfg.length_unit, "answer_format": cfg.answer_format}
     task = data.load_task(cfg.task, cfg.data, "train", cfg.skip_bad_rows, cfg.arith_difficulty, extra)
     reward_names, conditions, weights, scorer = rewards_setup(cfg, task)
+    resolve_kind(cfg.sampler)  # a missing vLLM or GPU is reported before any model loads
     device = dist.init()
     derived = config.resolve(cfg, dist.world_size(), len(task.examples))
     run = config.describe(cfg, derived) | {"rewards": reward_names}

@@ -206,8 +206,12 @@ def decoder_layers(lm):
 
 
 def build(path, device, compute_dtype, grad_checkpointing=False, frozen=False, offload=False):
-    """Load fp32 master weights, wrap for log-probs and shard with FSDP2 over all ranks."""
-    lm = load_model(path, torch.float32)
+    """Load, wrap for log-probs and shard with FSDP2 over all ranks.
+
+    The trained model keeps fp32 master weights and computes in compute_dtype; the frozen
+    reference needs no master copy and is loaded in compute_dtype directly (half the memory in bf16).
+    """
+    lm = load_model(path, compute_dtype if frozen else torch.float32)
     lm.config.use_cache = False
     if grad_checkpointing and not frozen:
         lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -217,7 +221,7 @@ def build(path, device, compute_dtype, grad_checkpointing=False, frozen=False, o
         model.eval()
     else:
         model.train()
-    param_dtype = compute_dtype if compute_dtype != torch.float32 else None
+    param_dtype = compute_dtype if compute_dtype != torch.float32 and not frozen else None
     return dist.shard(model, decoder_layers(lm), device, param_dtype=param_dtype, offload=offload)
 
 

@@ -160,17 +160,25 @@ def vllm_available():
     return importlib.util.find_spec("vllm") is not None and torch.cuda.is_available()
 
 
-def make_sampler(kind, model_path, device, tokenizer, stop_ids, dtype, seed=0, **vllm_options):
-    """The rollout backend: "hf", "vllm", or "auto" (vLLM when importable with CUDA, else HF)."""
+def resolve_kind(kind):
+    """"hf" or "vllm" for a --sampler value; raises SamplerUnavailable before any model loads."""
+    import importlib.util
+
     if kind == "auto":
-        kind = "vllm" if vllm_available() else "hf"
+        return "vllm" if vllm_available() else "hf"
     if kind == "vllm":
         if not torch.cuda.is_available():
             raise SamplerUnavailable("--sampler vllm needs a CUDA GPU; use --sampler hf on this machine")
-        try:
-            from minigdpo.vllm_sampler import VLLMSampler
-        except ImportError as e:
-            raise SamplerUnavailable(f"--sampler vllm needs vLLM: pip install 'minigdpo[vllm]' ({e})") from None
+        if importlib.util.find_spec("vllm") is None:
+            raise SamplerUnavailable("--sampler vllm needs vLLM: pip install 'minigdpo[vllm]'")
+    return kind
+
+
+def make_sampler(kind, model_path, device, tokenizer, stop_ids, dtype, seed=0, **vllm_options):
+    """The rollout backend: "hf", "vllm", or "auto" (vLLM when importable with CUDA, else HF)."""
+    if resolve_kind(kind) == "vllm":
+        from minigdpo.vllm_sampler import VLLMSampler
+
         return VLLMSampler(model_path, tokenizer, stop_ids, seed=seed, dtype=dtype, **vllm_options)
     from minigdpo.policy import load_model
 

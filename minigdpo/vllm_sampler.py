@@ -1,0 +1,114 @@
+"""The vLLM rollout backend, colocated with the FSDP2 trainer: one engine per rank.
+
+Written against vLLM 0.10.2 (pinned in setup.py's `vllm` extra). Every vLLM call the project
+makes is in this file:
+
+    vllm.LLM(model, tokenizer, dtype, seed, gpu_memory_utilization, max_model_len, max_num_seqs,
+             enable_sleep_mode=True, enable_prefix_caching=True, tensor_parallel_size=1,
+             distributed_executor_backend="external_launcher", logprobs_mode="processed_logprobs")
+    vllm.SamplingParams(n, temperature, top_p, max_tokens, logprobs=0, seed, stop_token_ids, ignore_eos)
+    vllm.inputs.TokensPrompt(prompt_token_ids=...)
+    LLM.generate(prompts, sampling_params, use_tqdm=False) -> [RequestOutput]
+        RequestOutput.outputs -> [CompletionOutput(token_ids, logprobs, finish_reason)]
+        CompletionOutput.logprobs -> one {token_id: Logprob(logprob, ...)} per generated token
+    LLM.sleep(level=1), LLM.wake_up(tags=["weights"] or ["kv_cache"]), LLM.reset_prefix_cache()
+    LLM.llm_engine.model_executor.driver_worker.model_runner.model.load_weights(iterable of (name, tensor))
+        (the in-process model, reachable because external_launcher keeps the engine in this process)
+
+`load_weights` takes Hugging Face checkpoint names; the vLLM model maps them to its own layout
+(q/k/v into qkv_proj, gate/up into gate_up_proj) and skips lm_head when embeddings are tied.
+
+The weight life cycle, one step:
+
+    generate()      engine awake, weights current
+    sleep()         level 1: weights copied to CPU, KV cache freed; the trainer gets the memory
+    load_weights()  wake the weights only, stream the new ones in one tensor at a time, reset
+                    the prefix cache (its entries were computed with the old weights)
+    wake()          allocate the KV cache; generate again
+
+Weights only ever come from the trainer. Nothing reloads them from disk after a sync: that
+pattern silently serves stale weights (huggingface/trl#5312). `sampler/logp_gap` in the
+metrics would show it at once.
+"""
+
+import os
+import socket
+
+from minigdpo.sampler import Completion
+
+WRAPPER_PREFIXES = ("_checkpoint_wrapped_module.", "_orig_mod.", "_fsdp_wrapped_module.")
+
+
+def vllm_name(name):
+    """Hugging Face checkpoint name for a parameter name that wrappers may have prefixed."""
+    for prefix in WRAPPER_PREFIXES:
+        name = name.replace(prefix, "")
+    return name
+
+
+def _ensure_launcher_env():
+    """external_launcher reads torchrun's variables; a plain `python train.py` has none."""
+    if "RANK" not in os.environ:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+
+
+class VLLMSampler:
+    """Sampler interface over a colocated vLLM engine (see the module docstring for the order of calls)."""
+
+    def __init__(self, model_path, tokenizer, stop_ids, seed=0, dtype=None, gpu_memory_utilization=0.3,
+                 max_model_len=2048, max_num_seqs=256):
+        import vllm
+
+        _ensure_launcher_env()
+        self.tokenizer = tokenizer
+        self.stop_ids = sorted(stop_ids)
+        self.llm = vllm.LLM(model=model_path, tokenizer=model_path, dtype="bfloat16" if dtype is None else str(dtype).split(".")[-1],
+                            seed=seed, gpu_memory_utilization=gpu_memory_utilization, max_model_len=max_model_len,
+                            max_num_seqs=max_num_seqs, enable_sleep_mode=True, enable_prefix_caching=True,
+                            tensor_parallel_size=1, distributed_executor_backend="external_launcher",
+                            logprobs_mode="processed_logprobs")  # log-probs after temperature, as the trainer computes them
+        self.weights_awake, self.kv_awake = True, True
+
+    def _model(self):
+        return self.llm.llm_engine.model_executor.driver_worker.model_runner.model
+
+    def generate(self, prompts, n, params):
+        import vllm
+        from vllm.inputs import TokensPrompt
+
+        self.wake()
+        sampling = vllm.SamplingParams(n=n, temperature=params.temperature, top_p=params.top_p,
+                                       max_tokens=params.max_new_tokens, logprobs=0, seed=params.seed,
+                                       stop_token_ids=self.stop_ids, ignore_eos=params.ignore_eos)
+        outputs = self.llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompts], sampling, use_tqdm=False)
+        return [[self._completion(c) for c in out.outputs] for out in outputs]
+
+    def _completion(self, out):
+        ids = list(out.token_ids)
+        logprobs = [step[token].logprob for token, step in zip(ids, out.logprobs)]
+        finish = "stop" if out.finish_reason == "stop" else "length"
+        return Completion(ids, logprobs, finish, self.tokenizer.decode(ids, skip_special_tokens=True))
+
+    def load_weights(self, named_tensors):
+        """Stream (HF name, full tensor) pairs into the engine, then drop prefix-cache entries."""
+        if not self.weights_awake:
+            self.llm.wake_up(tags=["weights"])
+            self.weights_awake = True
+        self._model().load_weights((vllm_name(name), tensor) for name, tensor in named_tensors)
+        self.llm.reset_prefix_cache()
+
+    def sleep(self):
+        if self.weights_awake or self.kv_awake:
+            self.llm.sleep(level=1)
+            self.weights_awake = self.kv_awake = False
+
+    def wake(self):
+        if not self.weights_awake:
+            self.llm.wake_up(tags=["weights"])
+            self.weights_awake = True
+        if not self.kv_awake:
+            self.llm.wake_up(tags=["kv_cache"])
+            self.kv_awake = True
