@@ -115,9 +115,9 @@ def update(model, opt, sched, batches, cfg, num_tokens, num_seqs):
         grad_norm = policy.clip_grad(model, cfg.max_grad_norm)
         if torch.isfinite(grad_norm):  # a NaN/inf gradient skips the step instead of poisoning the weights
             opt.step()
+            sched.step()
         else:
             totals["skipped_steps"] = totals.get("skipped_steps", 0) + 1
-        sched.step()
         totals["grad_norm"] = grad_norm
     opt.zero_grad(set_to_none=True)  # free the gradients before the sampler wakes up
     totals["logp_gap"] = gap
@@ -175,6 +175,7 @@ def main(argv=None):
 
     # Models: the trained policy, its frozen reference, and the sampler's inference copy.
     path = policy.resolve_model(cfg.model)
+    policy.check_context(path, cfg.max_prompt_len + cfg.max_new_tokens)  # still before any weights load
     tokenizer = policy.load_tokenizer(path)
     dtype = compute_dtype(cfg, device)
     model = policy.build(path, device, dtype, cfg.grad_checkpointing)
@@ -246,9 +247,10 @@ def main(argv=None):
 
         # 6. Policy update.
         t0 = time.perf_counter()
-        tokens = dist.all_reduce(sum(mb["mask"].sum() for mb in batches).reshape(1)).item()
+        tokens = max(1.0, dist.all_reduce(sum(mb["mask"].sum() for mb in batches).reshape(1)).item())
         totals = update(model, opt, sched, batches, cfg, tokens / dist.world_size(), derived.seqs_per_rank)
         t_update = time.perf_counter() - t0
+        checkpoint.inject_fault("mid_step", step)  # reliability tests: a kill between the update and the save
 
         # 7. The sampler gets the new weights, streamed one tensor at a time.
         t0 = time.perf_counter()
@@ -271,7 +273,7 @@ def main(argv=None):
               "throughput/gen_tokens_per_s": gen_tokens / max(t_gen, 1e-9)}
         if m["sampler/logp_gap"] > cfg.logp_gap_warn:
             log.write(f"warning: step {step}: sampler/trainer log-prob gap {m['sampler/logp_gap']:.3f} > "
-                      f"{cfg.logp_gap_warn} (stale or broken weight sync?)")
+                      f"{cfg.logp_gap_warn} (stale or broken weight sync?)", error=True)
         log.log(step, m)
         if cfg.samples_every and step % cfg.samples_every == 0:
             log.samples(step, [{"prompt": tokenizer.decode(seq_prompts[i], skip_special_tokens=True)[-300:],
@@ -283,14 +285,14 @@ def main(argv=None):
                                         {"cursor": cursor, **run}, save_dtype, cfg.keep_checkpoints)
                 log.write(f"step {step}: saved {where}")
             except checkpoint.CheckpointError as e:
-                log.write(f"error: {e}")
+                log.write(f"error: {e}", error=True)
                 if cfg.on_save_error == "stop":
                     log.close()
                     raise SystemExit(f"stopped at step {step}: the last complete checkpoint is "
                                      f"{checkpoint.latest(cfg.output_dir) or 'none'}") from None
 
     log.close()
-    dist.print0(metrics.start_end_table(log.history, reward_names))
+    dist.print0(metrics.start_end_table(log.first, log.recent, reward_names))
     dist.cleanup()
 
 

@@ -12,6 +12,7 @@ once COMPLETE is in it. A kill mid-save leaves a .partial directory that resume 
 deletes, and the previous checkpoint untouched.
 """
 
+import errno
 import json
 import os
 import random
@@ -34,10 +35,19 @@ class CheckpointError(RuntimeError):
     """A checkpoint could not be written; the message names the path."""
 
 
-def _fault(point):
-    """Test hook: MINIGDPO_FAULT=<point> kills this process at that point (fault-injection tests)."""
-    if os.environ.get("MINIGDPO_FAULT") == point and os.environ.get("MINIGDPO_FAULT_RANK", "0") == str(dist.rank()):
-        os.kill(os.getpid(), signal.SIGKILL)
+def inject_fault(point, step):
+    """Fault-injection hook for the reliability tests; does nothing unless MINIGDPO_FAULT is set.
+
+    MINIGDPO_FAULT=POINT@STEP SIGKILLs rank MINIGDPO_FAULT_RANK (default 0) when it reaches
+    POINT at STEP; MINIGDPO_FAULT=enospc@STEP makes the checkpoint write at STEP fail as a full
+    disk would.
+    """
+    spec = os.environ.get("MINIGDPO_FAULT")
+    if not spec or spec != f"{point}@{step}" or os.environ.get("MINIGDPO_FAULT_RANK", "0") != str(dist.rank()):
+        return
+    if point == "enospc":
+        raise OSError(errno.ENOSPC, "No space left on device (injected)")
+    os.kill(os.getpid(), signal.SIGKILL)
 
 
 def root(output_dir):
@@ -72,7 +82,7 @@ def remove_partial(output_dir):
     return removed
 
 
-def _write_hf(model, tokenizer, path, dtype):
+def _write_hf(model, tokenizer, path, dtype, step):
     """A Hugging Face directory, streaming one full tensor at a time (rank 0 writes)."""
     shards, current, size = [], {}, 0
     for name, tensor in hf_state(model, dtype):  # every rank iterates: each step is a collective
@@ -94,7 +104,7 @@ def _write_hf(model, tokenizer, path, dtype):
         for i, shard in enumerate(shards, start=1):
             fname = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
             save_file(shard, os.path.join(path, fname), metadata={"format": "pt"})
-            _fault("between_shards")
+            inject_fault("between_shards", step)
             for k, t in shard.items():
                 index["weight_map"][k] = fname
                 index["metadata"]["total_size"] += t.numel() * t.element_size()
@@ -115,6 +125,18 @@ def _rng_state():
             "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}
 
 
+def _explain(error, path):
+    """One line for a failed write, saying so when the disk is full (some writers hide ENOSPC)."""
+    text = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
+    try:
+        full = shutil.disk_usage(os.path.dirname(path)).free < 1024 * 1024
+    except OSError:
+        full = False
+    if full and "No space left" not in text:
+        text += " (No space left on device)"
+    return text
+
+
 def save(output_dir, step, model, optimizer, sched, tokenizer, trainer_state, save_dtype, keep):
     """Write checkpoint `step` atomically on all ranks; raise CheckpointError (on every rank) on failure."""
     final = os.path.join(root(output_dir), f"step_{step:06d}")
@@ -126,13 +148,14 @@ def save(output_dir, step, model, optimizer, sched, tokenizer, trainer_state, sa
             shutil.rmtree(tmp, ignore_errors=True)
             os.makedirs(os.path.join(tmp, "rng"), exist_ok=True)
         dist.barrier()
-        _write_hf(model, tokenizer, os.path.join(tmp, "hf"), save_dtype)
-        _fault("after_hf")
+        inject_fault("enospc", step)
+        _write_hf(model, tokenizer, os.path.join(tmp, "hf"), save_dtype, step)
+        inject_fault("after_hf", step)
         dist.save_sharded(model, optimizer, os.path.join(tmp, "state"))
-        _fault("after_state")
+        inject_fault("after_state", step)
         torch.save(_rng_state(), os.path.join(tmp, "rng", f"rank{dist.rank()}.pt"))
     except Exception as e:  # OSError for a full disk or a failed write, anything else from DCP
-        ok, error = False, f"{type(e).__name__}: {e}"
+        ok, error = False, _explain(e, tmp)
     ok = bool(dist.all_reduce(torch.tensor([int(ok)]), op="min").item())
     if ok and dist.is_main():
         try:
@@ -140,11 +163,11 @@ def save(output_dir, step, model, optimizer, sched, tokenizer, trainer_state, sa
                 json.dump({**trainer_state, "step": step, "scheduler": sched.state_dict()}, f, indent=2, default=str)
             with open(os.path.join(tmp, "COMPLETE"), "w") as f:
                 f.write("ok\n")
-            _fault("before_rename")
+            inject_fault("before_rename", step)
             shutil.rmtree(final, ignore_errors=True)
             os.replace(tmp, final)
         except OSError as e:
-            ok, error = False, f"{type(e).__name__}: {e}"
+            ok, error = False, _explain(e, tmp)
     ok = bool(dist.broadcast_object(ok))
     errors = [e for e in dist.all_gather_object(error) if e]
     if not ok:

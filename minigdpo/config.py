@@ -9,7 +9,7 @@ import argparse
 import ast
 import inspect
 import math
-from dataclasses import MISSING, asdict, dataclass, field, fields
+from dataclasses import MISSING, asdict, dataclass, field, fields  # noqa: F401  (fields is used by callers)
 
 
 class ConfigError(ValueError):
@@ -259,6 +259,11 @@ def validate(cfg):
     _check(cfg.tis_cap == 0 or cfg.tis_cap >= 1, f"--tis-cap must be 0 (off) or >= 1, got {cfg.tis_cap}")
     _check(bool(cfg.model.strip()), "--model must not be empty")
     _check(bool(cfg.output_dir.strip()), "--output-dir must not be empty")
+    _check(cfg.seed >= 0, f"--seed must be >= 0, got {cfg.seed}")
+    if cfg.wandb:
+        import importlib.util
+
+        _check(importlib.util.find_spec("wandb") is not None, "--wandb needs the wandb package: pip install 'minigdpo[wandb]'")
     if cfg.reward_weights:
         _check(all(math.isfinite(w) for w in cfg.reward_weights), f"--reward-weights must be finite, got {cfg.reward_weights}")
     return cfg

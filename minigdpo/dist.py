@@ -123,7 +123,13 @@ def full_tensor(t):
 def save_sharded(model, optimizer, path):
     """Each rank writes its shards of model and optimizer state (torch.distributed.checkpoint)."""
     model_sd, optim_sd = get_state_dict(model, optimizer)
-    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=path)
+    try:
+        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=path)
+    except dcp.api.CheckpointException as e:  # a BaseException: turn it into an ordinary, one-line error
+        first = next(iter(e.failures.values()), e)
+        cause = first[0] if isinstance(first, tuple) else first
+        raise OSError(f"sharded save to {path} failed on rank(s) {sorted(e.failures)}: "
+                      f"{type(cause).__name__}: {str(cause).splitlines()[0] if str(cause) else ''}") from None
 
 
 def load_sharded(model, optimizer, path):

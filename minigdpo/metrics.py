@@ -5,8 +5,10 @@ kl, completion/..., sampler/..., time/..., throughput/...
 """
 
 import json
+from collections import deque
 import math
 import os
+import sys
 
 import torch
 from tqdm import tqdm
@@ -56,7 +58,7 @@ class Logger:
 
     def __init__(self, output_dir, total_steps, start_step, run_config, wandb_project=""):
         self.main = dist.is_main()
-        self.history = []
+        self.first, self.recent = None, deque(maxlen=3)  # all the start/end table needs: memory stays flat
         if not self.main:
             return
         os.makedirs(output_dir, exist_ok=True)
@@ -86,7 +88,8 @@ class Logger:
         if not self.main:
             return
         row = {"step": step, **{k: _json_safe(v) for k, v in metrics.items()}}
-        self.history.append(row)
+        self.first = self.first or row
+        self.recent.append(row)
         with open(self.metrics_path, "a") as f:
             f.write(json.dumps(row) + "\n")
         if self.wandb is not None:
@@ -103,9 +106,10 @@ class Logger:
             for row in rows:
                 f.write(json.dumps({"step": step, **row}) + "\n")
 
-    def write(self, text):
+    def write(self, text, error=False):
+        """A line above the progress bar (stderr for warnings and errors)."""
         if self.main:
-            tqdm.write(text)
+            tqdm.write(text, file=sys.stderr if error else sys.stdout)
 
     def close(self):
         if self.main:
@@ -114,11 +118,11 @@ class Logger:
                 self.wandb.finish()
 
 
-def start_end_table(history, reward_names, window=3):
-    """Reward means at the first step of this run (sampled before any update) and over the last `window` steps."""
-    if not history:
+def start_end_table(first, last, reward_names):
+    """Reward means at the first step of this run (sampled before any update) and over the `last` steps."""
+    if not first:
         return ""
-    first, last = history[0], history[-window:]
+    last = list(last)
 
     def avg(rows, key):
         values = [r[key] for r in rows if r.get(key) is not None]

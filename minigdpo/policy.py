@@ -110,6 +110,20 @@ def resolve_model(name):
     return name
 
 
+def check_context(path, needed):
+    """Fail early, from the config alone, when prompt + completion exceed the model's context."""
+    from transformers import AutoConfig
+
+    from minigdpo.config import ConfigError
+
+    try:
+        limit = getattr(AutoConfig.from_pretrained(path), "max_position_embeddings", None)
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"--model {path!r}: cannot read its config ({str(e).splitlines()[0]})") from None
+    if limit is not None and needed > limit:
+        raise ConfigError(f"--max-prompt-len + --max-new-tokens = {needed} exceeds the model's context of {limit} tokens")
+
+
 def load_tokenizer(path):
     from transformers import AutoTokenizer
 

@@ -8,3 +8,26 @@ def digit_frac(completion, example):
 
 def vowel_frac(completion, example):
     return sum(ch in "aeiou" for ch in completion) / max(1, len(completion))
+
+
+def raises(completion, example):
+    raise RuntimeError("reward bug")
+
+
+def nan_or_inf(completion, example):
+    return float("nan") if len(completion) % 2 else float("inf")
+
+
+def text(completion, example):
+    return "1.0"
+
+
+def hangs(completion, example):
+    import time
+
+    while True:
+        time.sleep(1)
+
+
+def never_applies(completion, example):
+    return None

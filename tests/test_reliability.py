@@ -1,0 +1,222 @@
+"""Fault injection: kills mid-step and mid-checkpoint (1 process and 2 gloo ranks), a full disk,
+misbehaving rewards, degenerate batches and bad input. Every fault must cost nothing: the
+resumed run reaches exactly the weights of an uninterrupted one.
+
+Run: pytest tests/test_reliability.py   (about 3 minutes)
+"""
+
+import math
+import os
+import subprocess
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from conftest import read_jsonl, run
+from minigdpo import config
+from minigdpo.advantages import ESTIMATORS
+from minigdpo.loss import policy_loss
+from minigdpo.sampler import Completion
+
+BASE = ["train.py", "--preset", "smoke", "--max-steps", "4", "--save-every", "1", "--keep-checkpoints", "5",
+        "--rewards", "tests.helpers:digit_frac,tests.helpers:vowel_frac,format"]
+
+
+def weights(out, step=4):
+    return load_file(os.path.join(out, "checkpoints", f"step_{step:06d}", "hf", "model.safetensors"))
+
+
+def assert_same_weights(a, b):
+    wa, wb = weights(a), weights(b)
+    assert wa.keys() == wb.keys()
+    for k in wa:
+        assert torch.equal(wa[k], wb[k]), k
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    """The reference runs, one per world size."""
+    outs = {}
+    for nproc in (1, 2):
+        out = str(tmp_path_factory.mktemp(f"clean{nproc}"))
+        run(BASE + ["--output-dir", out], nproc=nproc)
+        outs[nproc] = out
+    return outs
+
+
+@pytest.mark.parametrize("nproc,fault,rank", [
+    (1, "mid_step@3", "0"),          # killed between the update and the save of step 3
+    (1, "after_hf@2", "0"),          # killed inside a checkpoint write: weights written, state not
+    (1, "before_rename@3", "0"),     # killed with a complete but unrenamed checkpoint
+    (2, "mid_step@3", "1"),          # rank 1 dies; torchrun takes rank 0 down with it
+    (2, "after_state@2", "0"),       # rank 0 dies after the sharded state, before COMPLETE
+])
+def test_kill_then_resume_reaches_the_uninterrupted_weights(tmp_path, uninterrupted, nproc, fault, rank):
+    out = str(tmp_path / "run")
+    killed = run(BASE + ["--output-dir", out], nproc=nproc, env={"MINIGDPO_FAULT": fault, "MINIGDPO_FAULT_RANK": rank},
+                 check=False)
+    assert killed.returncode != 0
+    step = int(fault.split("@")[1])
+    ckpts = os.listdir(os.path.join(out, "checkpoints"))
+    assert f"step_{step:06d}" not in ckpts  # the interrupted step left no complete checkpoint
+    resumed = run(BASE + ["--output-dir", out, "--resume"], nproc=nproc)
+    assert "resumed from" in resumed.stdout
+    assert not any(n.endswith(".partial") for n in os.listdir(os.path.join(out, "checkpoints")))
+    assert_same_weights(out, uninterrupted[nproc])
+    assert [r["step"] for r in read_jsonl(os.path.join(out, "metrics.jsonl"))] == [1, 2, 3, 4]
+
+
+def test_injected_full_disk_keeps_the_previous_checkpoint_and_stops_cleanly(tmp_path):
+    out = str(tmp_path / "run")
+    proc = run(BASE + ["--output-dir", out], env={"MINIGDPO_FAULT": "enospc@2"}, check=False)
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr
+    assert "could not write checkpoint" in proc.stderr and "step_000002.partial" in proc.stderr  # names the path
+    assert "No space left on device" in proc.stderr and "last complete checkpoint is" in proc.stderr
+    assert sorted(os.listdir(os.path.join(out, "checkpoints"))) == ["step_000001"]
+    weights(out, 1)  # intact and loadable
+
+
+def test_injected_full_disk_can_continue(tmp_path):
+    out = str(tmp_path / "run")
+    proc = run(BASE + ["--output-dir", out, "--on-save-error", "continue"], env={"MINIGDPO_FAULT": "enospc@2"})
+    assert "could not write checkpoint" in proc.stderr + proc.stdout
+    assert sorted(os.listdir(os.path.join(out, "checkpoints"))) == ["step_000001", "step_000003", "step_000004"]
+
+
+@pytest.fixture
+def tiny_disk(tmp_path):
+    """A real 3 MB filesystem: room for one tiny checkpoint (about 1.4 MB), not for two."""
+    mnt = tmp_path / "disk"
+    mnt.mkdir()
+    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", "size=3m", "tmpfs", str(mnt)]).returncode:
+        pytest.skip("needs root to mount a small tmpfs")
+    yield str(mnt)
+    subprocess.run(["umount", str(mnt)])
+
+
+def test_a_really_full_disk(tiny_disk):
+    out = os.path.join(tiny_disk, "run")
+    proc = run(BASE + ["--output-dir", out], check=False)
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr
+    assert "could not write checkpoint" in proc.stderr and "No space left on device" in proc.stderr
+    done = sorted(os.listdir(os.path.join(out, "checkpoints")))
+    assert done and not any(n.endswith(".partial") for n in done)
+    weights(out, int(done[-1].split("_")[1]))  # the last complete checkpoint loads
+
+
+def test_misbehaving_rewards_do_not_stop_training(tmp_path):
+    out = str(tmp_path / "run")
+    rewards = ",".join(f"tests.helpers:{n}" for n in ["digit_frac", "raises", "nan_or_inf", "text", "hangs", "never_applies"])
+    proc = run(["train.py", "--preset", "smoke", "--rewards", rewards, "--reward-timeout", "0.2", "--output-dir", out,
+                "--save-every", "0"])
+    rows = read_jsonl(os.path.join(out, "metrics.jsonl"))
+    assert [r["step"] for r in rows] == [1, 2]
+    r = rows[0]
+    assert r["reward/tests.helpers:raises/errors"] == 8
+    assert r["reward/tests.helpers:nan_or_inf/invalid"] == 8 and r["reward/tests.helpers:text/invalid"] == 8
+    assert r["reward/tests.helpers:hangs/timeouts"] == 8        # 3 timed out, the rest skipped
+    assert r["reward/tests.helpers:never_applies/none"] == 8
+    assert r["reward/tests.helpers:raises/mean"] is None        # NaN is written as null
+    assert r["grad_norm"] > 0 and math.isfinite(r["loss"])       # the good reward still trains
+    assert proc.stderr.count("'tests.helpers:raises' raised RuntimeError") == 1  # warned once over two steps
+    assert proc.stderr.count("ran past its 0.2 s limit") == 1
+
+
+def batch_of(completions, prompts=None):
+    from train import micro_batches
+
+    prompts = prompts or [[1, 2, 3]] * len(completions)
+    return micro_batches(prompts, completions, torch.zeros(len(completions)), 4, 257, torch.device("cpu"))
+
+
+@pytest.mark.parametrize("case", ["identical", "constant_rewards", "empty", "truncated"])
+def test_degenerate_batches_give_finite_zero_advantages_and_finite_loss(case):
+    G = 4
+    rewards = {"identical": torch.tensor([[[1.0, 0.0]] * G]), "constant_rewards": torch.zeros(1, G, 2),
+               "empty": torch.full((1, G, 2), float("nan")), "truncated": torch.tensor([[[0.0, 1.0]] * G])}[case]
+    for fn in ESTIMATORS.values():
+        adv = fn(rewards)
+        assert torch.isfinite(adv).all() and adv.abs().max() == 0
+    comps = {"empty": [Completion([], [], "stop")] * G, "truncated": [Completion([7] * 6, [-1.0] * 6, "length")] * G}.get(
+        case, [Completion([5, 6], [-1.0, -1.0], "stop")] * G)
+    (mb,) = batch_of(comps)
+    logp = torch.zeros_like(mb["mask"], requires_grad=True)
+    loss, stats = policy_loss(logp, logp.detach(), logp.detach(), torch.zeros(G), mb["mask"], num_tokens=max(1.0, mb["mask"].sum()))
+    loss.backward()
+    assert math.isfinite(loss.item()) and torch.isfinite(logp.grad).all()
+
+
+def test_a_nan_gradient_skips_the_step_and_keeps_the_weights(process_group):
+    from types import SimpleNamespace
+
+    from minigdpo import policy
+    from train import update
+
+    path = policy.resolve_model("tiny-random")
+    model = policy.build(path, process_group, torch.float32)
+    opt = policy.optimizer(model, 1e-2, 0.0)
+    sched = policy.scheduler(opt, 4, 0.0, "constant")
+    (mb,) = batch_of([Completion([5, 6], [-1.0, -1.0])] * 2)
+    mb["adv"] = torch.tensor([float("nan"), 1.0])
+    before = {k: v.clone() for k, v in policy.hf_state(model)}
+    cfg = SimpleNamespace(num_iterations=1, temperature=1.0, logprob_chunk=64, tis_cap=0.0, clip_low=0.2, clip_high=0.2,
+                          beta=0.0, loss_agg="token_mean", max_new_tokens=4, max_grad_norm=1.0)
+    totals = update(model, opt, sched, [mb], cfg, 4.0, 2)
+    assert totals["skipped_steps"] == 1
+    for k, v in policy.hf_state(model):
+        assert torch.equal(v, before[k])
+
+
+def test_bad_rows_stop_by_default_and_are_skipped_on_request(tmp_path):
+    data = tmp_path / "bad.jsonl"
+    data.write_bytes(b'{"question": "1+1?", "answer": "#### 2"}\n{broken\n\xff\xfe\n{"question": "2+2?"}\n'
+                     + b'{"question": "3+3?", "answer": "#### 6"}\n' * 4)
+    args = ["train.py", "--preset", "smoke", "--task", "gsm8k", "--data", str(data), "--output-dir", str(tmp_path / "o"),
+            "--save-every", "0"]
+    proc = run(args, check=False)
+    assert proc.returncode == 2 and proc.stderr.strip() == (f"error: {data}:2: invalid JSON (Expecting property name "
+                                                            f"enclosed in double quotes at column 2) (pass --skip-bad-rows "
+                                                            f"to skip such rows)")
+    proc = run(args + ["--skip-bad-rows"])
+    assert "3 malformed rows skipped" in proc.stdout
+
+
+BAD_VALUES = {  # every config field, with a value it must refuse (the test below checks the list is complete)
+    "preset": "huge", "model": " ", "task": "chess", "data": None, "rewards": None, "reward_weights": [float("nan")] * 3,
+    "condition": None, "estimator": "ppo", "group_size": 1, "batch_size": 9, "micro_batch_size": 0, "num_iterations": 0,
+    "lr": float("nan"), "lr_schedule": "linear", "warmup_ratio": 1.0, "weight_decay": -0.1, "max_grad_norm": -1.0,
+    "beta": float("inf"), "clip_low": 1.0, "clip_high": -0.1, "loss_agg": "sum", "epochs": 0.0, "max_steps": -1,
+    "seed": -1, "max_prompt_len": 0, "max_new_tokens": 0, "temperature": 0.0, "top_p": 1.5, "sampler": "tgi",
+    "vllm_gpu_memory_utilization": 1.0, "tis_cap": 0.5, "logp_gap_warn": 0.0, "length_limit": 0, "length_unit": "chars",
+    "answer_format": "latex", "arith_difficulty": 7, "reward_timeout": 0.0, "skip_bad_rows": None, "dtype": "fp8",
+    "grad_checkpointing": None, "ref_offload": None, "logprob_chunk": 0, "output_dir": "", "save_every": -1,
+    "keep_checkpoints": 0, "on_save_error": "ignore", "resume": None, "samples_every": -1, "wandb": None,
+}
+CHECKED_ELSEWHERE = {  # fields whose bad values are only known once data, rewards or the machine are consulted
+    "data": "a missing file (test_train)", "rewards": "an unknown name (test_train)",
+    "condition": "a malformed or unknown condition (test_train)", "skip_bad_rows": "a boolean", "grad_checkpointing": "a boolean",
+    "ref_offload": "a boolean", "resume": "a boolean", "wandb": "refused when wandb is not installed",
+}
+
+
+def test_every_config_field_refuses_a_bad_value():
+    assert set(BAD_VALUES) == {f.name for f in config.fields(config.Config)}
+    for name, value in BAD_VALUES.items():
+        if value is None:
+            assert name in CHECKED_ELSEWHERE
+            continue
+        cfg = config.Config(preset="smoke")
+        setattr(cfg, name, value)
+        with pytest.raises(config.ConfigError) as e:
+            config.validate(cfg)
+        assert "\n" not in str(e.value), name
+
+
+def test_bad_booleans_and_context_are_one_line_before_any_model_loads(tmp_path):
+    for flags, message in [(["--resume", "maybe"], "expected true or false"),
+                           (["--max-new-tokens", "4000"], "exceeds the model's context of 2048 tokens"),
+                           (["--model", str(tmp_path / "nope")], "cannot read its config")]:
+        proc = run(["train.py", "--preset", "smoke", "--output-dir", str(tmp_path / "o")] + flags, check=False)
+        assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+        assert message in proc.stderr
