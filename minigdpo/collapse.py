@@ -26,7 +26,7 @@ import math
 
 import torch
 
-from minigdpo.advantages import ESTIMATORS
+from minigdpo.advantages import ESTIMATORS, group_zscore
 
 DECIMALS = 6
 
@@ -109,12 +109,28 @@ def plot(rows, path):
     fig.savefig(path, dpi=120)
 
 
+def two_sample_example():
+    """The paper's smallest case (G=2, two binary rewards): every group and its advantages."""
+    groups = enumerate_groups(2, 2)                                # (10, 2, 2)
+    grpo = ESTIMATORS["grpo"](groups, None)                        # (10, 2)
+    gdpo_sum = group_zscore(groups).sum(-1)                        # (10, 2) Eq. 4-5, before the batch step
+    lines = [f"{'rewards of the 2 samples':<26} {'grpo advantages':>18} {'gdpo, Eq. 4-5':>18}"]
+    for g, a, b in zip(groups.tolist(), grpo.tolist(), gdpo_sum.tolist()):
+        pair = f"({g[0][0]:.0f},{g[0][1]:.0f}) vs ({g[1][0]:.0f},{g[1][1]:.0f})"
+        lines.append(f"{pair:<26} {a[0]:>8.4f} {a[1]:>8.4f}  {b[0]:>8.4f} {b[1]:>8.4f}")
+    return "\n".join(lines)
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--plot", metavar="PNG", help="also draw the figure to this file")
+    parser.add_argument("--example", action="store_true", help="print the paper's G=2 example instead of the table")
     parser.add_argument("--max-group", type=int, default=16, help="largest G in the first sweep")
     parser.add_argument("--max-rewards", type=int, default=8, help="largest R in the second sweep")
     args = parser.parse_args(argv)
+    if args.example:
+        print(two_sample_example())
+        return
     rows = table(range(2, args.max_group + 1), range(2, args.max_rewards + 1))
     print(format_table(rows))
     if args.plot:
