@@ -50,39 +50,53 @@ def compute_dtype(cfg, device):
     return {"bf16": torch.bfloat16, "fp32": torch.float32}[cfg.dtype]
 
 
-def micro_batches(prompts, completions, advantages, size, pad_id, device):
-    """Split this rank's S sequences into micro-batches, grouped by length to cut padding.
+def micro_batches(prompts, completions, advantages, size, pad_id, device, group):
+    """Split this rank's sequences into micro-batches of whole or partial groups.
 
-    Each holds ids (n, P+T) = [left-padded prompt | right-padded completion], attn (n, P+T),
-    mask (n, T) over completion tokens, adv (n,), and the sampler's log-probs (n, T).
+    Sequences come prompt-major (each prompt's `group` completions in a row); prompts are taken
+    in order of length to cut padding. Each micro-batch holds its distinct prompts once:
+    prompt_ids, prompt_mask (b, P) left-padded and repeats (b,), then completion_ids, mask,
+    sampler_logp (n, T) right-padded and adv (n,), with `index`, the sequences' local positions.
     """
-    order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]) + len(completions[i].token_ids))
+    by_length = sorted(range(len(prompts) // group), key=lambda p: len(prompts[p * group]))
+    order = [p * group + j for p in by_length for j in range(group)]
     out = []
     for s in range(0, len(order), size):
         idx = order[s:s + size]
-        P = max(len(prompts[i]) for i in idx)
+        owners = sorted({i // group for i in idx}, key=by_length.index)   # distinct prompts, in order
+        repeats = torch.tensor([sum(i // group == p for i in idx) for p in owners])  # (b,)
+        P = max(len(prompts[p * group]) for p in owners)
         T = max(1, max(len(completions[i].token_ids) for i in idx))
-        ids = torch.full((len(idx), P + T), pad_id, dtype=torch.long)     # (n, P+T)
-        attn = torch.zeros((len(idx), P + T), dtype=torch.long)           # (n, P+T)
-        mask = torch.zeros((len(idx), T))                                  # (n, T)
-        sampler_logp = torch.zeros((len(idx), T))                          # (n, T)
+        prompt_ids = torch.full((len(owners), P), pad_id, dtype=torch.long)     # (b, P)
+        prompt_mask = torch.zeros((len(owners), P), dtype=torch.long)           # (b, P)
+        for row, p in enumerate(owners):
+            ids = prompts[p * group]
+            prompt_ids[row, P - len(ids):], prompt_mask[row, P - len(ids):] = torch.tensor(ids), 1
+        completion_ids = torch.full((len(idx), T), pad_id, dtype=torch.long)    # (n, T)
+        mask = torch.zeros((len(idx), T))                                        # (n, T)
+        sampler_logp = torch.zeros((len(idx), T))                                # (n, T)
         for row, i in enumerate(idx):
-            p, c = prompts[i], completions[i]
-            ids[row, P - len(p):P], attn[row, P - len(p):P] = torch.tensor(p), 1
-            n = len(c.token_ids)
+            n = len(completions[i].token_ids)
             if n:
-                ids[row, P:P + n], attn[row, P:P + n], mask[row, :n] = torch.tensor(c.token_ids), 1, 1
-                sampler_logp[row, :n] = torch.tensor(c.logprobs)
-        out.append({"index": idx, "ids": ids.to(device), "attn": attn.to(device), "mask": mask.to(device),
+                completion_ids[row, :n], mask[row, :n] = torch.tensor(completions[i].token_ids), 1
+                sampler_logp[row, :n] = torch.tensor(completions[i].logprobs)
+        out.append({"index": idx, "prompt_ids": prompt_ids.to(device), "prompt_mask": prompt_mask.to(device),
+                    "repeats": repeats.to(device), "completion_ids": completion_ids.to(device), "mask": mask.to(device),
                     "adv": advantages[idx].to(device), "sampler_logp": sampler_logp.to(device)})
     return out
+
+
+def logprobs(model, mb, cfg, entropy=False):
+    """The model's per-token log-probs (n, T) of a micro-batch's completions (and entropies)."""
+    return model(mb["prompt_ids"], mb["prompt_mask"], mb["repeats"], mb["completion_ids"], mb["mask"], cfg.temperature,
+                 cfg.logprob_chunk, entropy, share_prefix=not cfg.grad_checkpointing)
 
 
 @torch.no_grad()
 def fill_logprobs(model, batches, key, cfg):
     """Store a no-grad log-prob pass (reference or old policy) in each micro-batch under `key`."""
     for mb in batches:
-        mb[key] = model(mb["ids"], mb["attn"], mb["mask"], cfg.temperature, cfg.logprob_chunk)
+        mb[key] = logprobs(model, mb, cfg)
 
 
 def update(model, opt, sched, batches, cfg, num_tokens, num_seqs):
@@ -91,11 +105,11 @@ def update(model, opt, sched, batches, cfg, num_tokens, num_seqs):
     num_tokens / num_seqs are the global counts divided by the world size: FSDP averages
     gradients over ranks, so this makes every aggregation exact over the global batch.
     """
-    totals, gap = {}, torch.zeros(2, device=batches[0]["ids"].device)
+    totals, gap = {}, torch.zeros(2, device=batches[0]["mask"].device)
     for it in range(cfg.num_iterations):
         opt.zero_grad(set_to_none=True)
         for mb in batches:
-            logp, entropy = model(mb["ids"], mb["attn"], mb["mask"], cfg.temperature, cfg.logprob_chunk, entropy=True)
+            logp, entropy = logprobs(model, mb, cfg, entropy=True)
             old = mb.get("old_logp", logp.detach())  # num_iterations == 1: the policy that sampled is this one
             is_weight = None
             if cfg.tis_cap:  # truncated importance sampling for the sampler/trainer mismatch (Yao et al., 2025)
@@ -203,7 +217,7 @@ def main(argv=None):
 
     order = data.PromptOrder(len(task.examples), cfg.seed)
     log = metrics.Logger(cfg.output_dir, derived.total_steps, start, run, cfg.wandb)
-    params = SamplingParams(cfg.temperature, cfg.top_p, cfg.max_new_tokens)
+    params = SamplingParams(cfg.temperature, cfg.top_p, cfg.max_new_tokens, ignore_eos=cfg.ignore_eos)
     B, G, R, rank = derived.prompts_per_step, cfg.group_size, len(reward_names), dist.rank()
 
     for step in range(start + 1, derived.total_steps + 1):
@@ -238,7 +252,7 @@ def main(argv=None):
 
         # 5. Reference (and old) log-probs, one no-grad pass in micro-batches.
         t0 = time.perf_counter()
-        batches = micro_batches(seq_prompts, completions, adv, cfg.micro_batch_size, tokenizer.pad_token_id, device)
+        batches = micro_batches(seq_prompts, completions, adv, cfg.micro_batch_size, tokenizer.pad_token_id, device, G)
         if ref is not None:
             fill_logprobs(ref, batches, "ref_logp", cfg)
         if cfg.num_iterations > 1:

@@ -112,7 +112,7 @@ def _write_hf(model, tokenizer, path, dtype, step):
             json.dump(index, f, indent=2)
     config = model.lm.config
     config.use_cache = True
-    config.torch_dtype = dtype
+    config.dtype = dtype
     config.save_pretrained(path)
     config.use_cache = False
     if getattr(model.lm, "generation_config", None) is not None:

@@ -81,6 +81,8 @@ class Config:
     """Sampling temperature; log-probs are computed at the same temperature."""
     top_p: float = 1.0
     """Nucleus sampling threshold."""
+    ignore_eos: bool = False
+    """Keep sampling past stop tokens up to max_new_tokens (benchmarks compare fixed-length completions)."""
     sampler: str = "auto"
     """Rollout backend: hf, vllm, or auto (vllm when it is importable and CUDA is present)."""
     vllm_gpu_memory_utilization: float = 0.3

@@ -1,7 +1,7 @@
 """The trained policy and its frozen reference: loading, FSDP2 sharding, per-token log-probs,
 the optimizer and its schedule.
 
-Shape legend: N sequences, L = prompt + completion columns, T completion columns,
+Shape legend: b prompts, n completions (sequences), P prompt columns, T completion columns,
 K valid completion tokens, H hidden size, V vocabulary.
 
 `LogProbModel` wraps any `AutoModelForCausalLM` so that its forward returns the per-token
@@ -19,7 +19,6 @@ import tempfile
 
 import torch
 import torch.nn as nn
-from torch.utils.checkpoint import checkpoint
 
 from minigdpo import dist
 
@@ -152,57 +151,104 @@ def stop_token_ids(model_config, generation_config, tokenizer):
 
 # Log-probs -----------------------------------------------------------------------------------
 
-def _token_logprobs(hidden, weight, targets, temperature):
-    """log softmax(hidden @ weight.T / temperature)[targets] for (K, H) hidden and (K,) targets."""
-    logits = (hidden @ weight.T).float() / temperature                     # (K, V)
-    lse = torch.logsumexp(logits, dim=-1)                                  # (K,)
-    return logits.gather(-1, targets[:, None]).squeeze(-1) - lse           # (K,)
+class ChunkedLogProbs(torch.autograd.Function):
+    """log softmax(hidden @ weight.T / temperature)[targets], `chunk` tokens at a time.
 
+    Forward keeps only the (K,) log-sum-exp per token, never the (K, V) logits; backward
+    recomputes each chunk's logits and forms the gradient d logp / d logits = onehot - softmax
+    in place. So at most one (chunk, V) float32 block is alive, forward or backward, and the
+    entropy comes from the same logits at no extra matmul.
+    """
 
-@torch.no_grad()
-def _token_entropy(hidden, weight, temperature):
-    logits = (hidden @ weight.T).float() / temperature                     # (K, V)
-    logp = torch.log_softmax(logits, dim=-1)                               # (K, V)
-    return -(logp.exp() * logp).sum(-1)                                    # (K,)
+    @staticmethod
+    def forward(ctx, hidden, weight, targets, temperature, chunk, entropy):
+        K = hidden.shape[0]
+        logp = hidden.new_empty(K, dtype=torch.float32)                     # (K,)
+        lse = hidden.new_empty(K, dtype=torch.float32)                      # (K,)
+        ent = hidden.new_empty(K if entropy else 0, dtype=torch.float32)    # (K,)
+        for s in range(0, K, chunk):
+            e = min(s + chunk, K)
+            logits = (hidden[s:e] @ weight.T).float()                      # (k, V)
+            if temperature != 1.0:
+                logits.div_(temperature)
+            lse[s:e] = torch.logsumexp(logits, dim=-1)
+            logp[s:e] = logits.gather(-1, targets[s:e, None]).squeeze(-1) - lse[s:e]
+            if entropy:
+                logits.sub_(lse[s:e, None])                                # (k, V) now log-probs
+                ent[s:e] = -(logits.exp() * logits).sum(-1)
+        ctx.save_for_backward(hidden, weight, targets, lse)
+        ctx.temperature, ctx.chunk = temperature, chunk
+        ctx.mark_non_differentiable(ent)
+        return logp, ent
+
+    @staticmethod
+    def backward(ctx, grad_logp, grad_ent):
+        hidden, weight, targets, lse = ctx.saved_tensors
+        grad_h = torch.zeros_like(hidden)                                   # (K, H)
+        grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)  # (V, H)
+        rows = torch.arange(min(ctx.chunk, hidden.shape[0]), device=hidden.device)
+        for s in range(0, hidden.shape[0], ctx.chunk):
+            e = min(s + ctx.chunk, hidden.shape[0])
+            g = grad_logp[s:e].float() / ctx.temperature                    # (k,)
+            logits = (hidden[s:e] @ weight.T).float()                      # (k, V)
+            if ctx.temperature != 1.0:
+                logits.div_(ctx.temperature)
+            probs = logits.sub_(lse[s:e, None]).exp_()                     # (k, V) softmax, in place
+            d = probs.mul_(-g[:, None])                                    # (k, V) d loss / d logits
+            d[rows[:e - s], targets[s:e]] += g
+            grad_h[s:e] = (d.to(hidden.dtype) @ weight).to(grad_h.dtype)   # (k, H)
+            grad_w += d.T.to(hidden.dtype).float() @ hidden[s:e].float()   # (V, H)
+        return grad_h, grad_w.to(weight.dtype), None, None, None, None
 
 
 def chunked_logprobs(hidden, weight, targets, temperature=1.0, chunk=1024, entropy=False):
-    """Per-token log-probs of (K,) targets from (K, H) hidden states, `chunk` tokens at a time.
-
-    With gradients on, each chunk runs under activation checkpointing, so only one
-    (chunk, V) block of logits is alive at any moment, forward or backward.
-    """
-    lps, ents = [], []
-    for s in range(0, hidden.shape[0], chunk):
-        h, y = hidden[s:s + chunk], targets[s:s + chunk]                   # (k, H), (k,)
-        if torch.is_grad_enabled():
-            lps.append(checkpoint(_token_logprobs, h, weight, y, temperature, use_reentrant=False))
-        else:
-            lps.append(_token_logprobs(h, weight, y, temperature))
-        if entropy:
-            ents.append(_token_entropy(h.detach(), weight.detach(), temperature))
-    empty = hidden.new_zeros(0, dtype=torch.float32)
-    return torch.cat(lps) if lps else empty, (torch.cat(ents) if ents else empty) if entropy else None
+    """Per-token log-probs (K,) of targets (K,) from hidden states (K, H) and the head (V, H);
+    with entropy=True also each token's entropy (K,), without gradient."""
+    logp, ent = ChunkedLogProbs.apply(hidden, weight, targets, temperature, chunk, entropy)
+    return logp, (ent if entropy else None)
 
 
 class LogProbModel(nn.Module):
-    """forward(input_ids, attention_mask, completion_mask) -> per-token log-probs (N, T)."""
+    """forward(prompts, completions) -> per-token log-probs (n, T) of the completion tokens.
+
+    A group's G completions share their prompt, and a prompt token never attends to a
+    completion, so each distinct prompt runs through the model once and its KV cache is
+    copied to its completions, in the training pass as in sampling. The log-probs and their
+    gradients are exactly those of G full sequences; the prompt costs 1/G of the compute.
+    """
 
     def __init__(self, lm):
         super().__init__()
         self.lm = lm
 
-    def forward(self, input_ids, attention_mask, completion_mask, temperature=1.0, chunk=1024, entropy=False):
-        T = completion_mask.shape[1]
-        position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)   # (N, L) left padding aware
-        hidden = self.lm.base_model(input_ids=input_ids, attention_mask=attention_mask,
-                                    position_ids=position_ids, use_cache=False).last_hidden_state  # (N, L, H)
-        hidden = hidden[:, -T - 1:-1]                                      # (N, T, H) position t predicts token t+1
-        valid = completion_mask.bool()                                     # (N, T)
-        targets = input_ids[:, -T:][valid]                                 # (K,)
+    def forward(self, prompt_ids, prompt_mask, repeats, completion_ids, completion_mask, temperature=1.0,
+                chunk=1024, entropy=False, share_prefix=True):
+        """prompt_ids, prompt_mask: (b, P) left-padded; repeats: (b,) completions per prompt, summing to n;
+        completion_ids, completion_mask: (n, T) right-padded."""
+        base = self.lm.base_model
+        index = torch.repeat_interleave(torch.arange(len(repeats), device=prompt_ids.device), repeats)  # (n,)
+        lengths = prompt_mask.sum(-1)                                      # (b,)
+        if share_prefix:
+            out = base(input_ids=prompt_ids, attention_mask=prompt_mask,
+                       position_ids=(prompt_mask.cumsum(-1) - 1).clamp(min=0), use_cache=True)
+            cache = out.past_key_values
+            cache.batch_select_indices(index)                              # b prompts -> n rows, differentiably
+            T = completion_ids.shape[1]
+            attn = torch.cat([prompt_mask[index], torch.ones_like(completion_mask, dtype=prompt_mask.dtype)], 1)  # (n, P+T)
+            position_ids = lengths[index, None] + torch.arange(T, device=prompt_ids.device)  # (n, T)
+            tail = base(input_ids=completion_ids, attention_mask=attn, position_ids=position_ids,
+                        past_key_values=cache, use_cache=True).last_hidden_state   # (n, T, H)
+            hidden = torch.cat([out.last_hidden_state[index, -1:], tail[:, :-1]], 1)  # (n, T, H) state before each token
+        else:  # one full sequence per completion (needed with gradient checkpointing, which disables the cache)
+            ids = torch.cat([prompt_ids[index], completion_ids], 1)        # (n, P+T)
+            attn = torch.cat([prompt_mask[index], torch.ones_like(completion_ids)], 1)  # (n, P+T)
+            T = completion_ids.shape[1]
+            hidden = base(input_ids=ids, attention_mask=attn, position_ids=(attn.cumsum(-1) - 1).clamp(min=0),
+                          use_cache=False).last_hidden_state[:, -T - 1:-1]   # (n, T, H)
+        valid = completion_mask.bool()                                     # (n, T)
         weight = self.lm.get_output_embeddings().weight                    # (V, H)
-        lp, ent = chunked_logprobs(hidden[valid], weight, targets, temperature, chunk, entropy)  # (K,)
-        out = hidden.new_zeros(valid.shape, dtype=torch.float32).masked_scatter(valid, lp)      # (N, T)
+        lp, ent = chunked_logprobs(hidden[valid], weight, completion_ids[valid], temperature, chunk, entropy)  # (K,)
+        out = hidden.new_zeros(valid.shape, dtype=torch.float32).masked_scatter(valid, lp)      # (n, T)
         if not entropy:
             return out
         return out, hidden.new_zeros(valid.shape, dtype=torch.float32).masked_scatter(valid, ent)
@@ -270,7 +316,8 @@ def tied_names(model):
 
 def optimizer(model, lr, weight_decay):
     params = [p for p in model.parameters() if p.requires_grad]
-    return torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.999), eps=1e-8, weight_decay=weight_decay)
+    # fused: one kernel per step, no foreach temporaries the size of the model
+    return torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.999), eps=1e-8, weight_decay=weight_decay, fused=True)
 
 
 def lr_lambda(total_steps, warmup_ratio, schedule):

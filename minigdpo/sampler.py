@@ -48,21 +48,28 @@ def left_pad(prompts, pad_id, device):
 
 
 def sample_next(logits, params, generator):
-    """Draw one token per row from (N, V) logits; returns tokens and their log-probs (N,)."""
-    logits = logits.float()
+    """Draw one token per row from (N, V) logits; returns tokens and their log-probs (N,).
+
+    The log-prob is under softmax(logits / temperature), before top-p truncation. Sampling
+    inverts the CDF with one cumsum and a binary search: exact, and a few full-vocabulary
+    passes cheaper than torch.multinomial, which matters with a 150k vocabulary.
+    """
+    logits = logits.float()                                            # (N, V), ours to modify
     if params.temperature == 0:
         tokens = logits.argmax(-1)                                     # (N,)
-        logp = torch.log_softmax(logits, -1)                           # (N, V)
-        return tokens, logp.gather(-1, tokens[:, None]).squeeze(-1)
-    logp = torch.log_softmax(logits / params.temperature, -1)          # (N, V)
-    probs = logp.exp()                                                 # (N, V)
-    if params.top_p < 1.0:
-        sorted_p, order = probs.sort(-1, descending=True)              # (N, V)
-        outside = sorted_p.cumsum(-1) - sorted_p > params.top_p        # (N, V) beyond the nucleus
-        sorted_p = sorted_p.masked_fill(outside, 0.0)
-        probs = torch.zeros_like(probs).scatter(-1, order, sorted_p)   # (N, V)
-    tokens = torch.multinomial(probs, 1, generator=generator).squeeze(-1)  # (N,)
-    return tokens, logp.gather(-1, tokens[:, None]).squeeze(-1)
+    elif params.temperature != 1.0:
+        logits = logits / params.temperature
+    lse = torch.logsumexp(logits, -1, keepdim=True)                    # (N, 1)
+    if params.temperature != 0:
+        probs = (logits - lse).exp_()                                  # (N, V)
+        if params.top_p < 1.0:
+            sorted_p, order = probs.sort(-1, descending=True)          # (N, V)
+            sorted_p.masked_fill_(sorted_p.cumsum(-1) - sorted_p > params.top_p, 0.0)  # beyond the nucleus
+            probs = torch.zeros_like(probs).scatter_(-1, order, sorted_p)
+        cdf = probs.cumsum_(-1)                                        # (N, V)
+        u = torch.rand(cdf.shape[0], 1, generator=generator, device=cdf.device) * cdf[:, -1:]
+        tokens = torch.searchsorted(cdf, u).squeeze(-1).clamp_(max=cdf.shape[1] - 1)  # (N,)
+    return tokens, (logits.gather(-1, tokens[:, None]) - lse).squeeze(-1)
 
 
 class HFSampler:
@@ -87,7 +94,7 @@ class HFSampler:
         B = len(prompts)
         ids, mask = left_pad(prompts, self.pad_id, self.device)            # (B, P)
         pos = (mask.cumsum(-1) - 1).clamp(min=0)                            # (B, P)
-        out = self.model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True)
+        out = self.model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True, logits_to_keep=1)
         cache, logits = out.past_key_values, out.logits[:, -1]              # (B, V)
         if n > 1:  # share the prefill: copy each prompt's cache to its n samples
             cache.batch_repeat_interleave(n)

@@ -28,8 +28,10 @@ def main(out, agg):
     opt = policy.optimizer(model, 1e-3, 0.0)
     sched = policy.scheduler(opt, 10, 0.0, "constant")
     g = torch.Generator().manual_seed(123)
-    S = 8  # global sequences
-    prompts = [torch.randint(0, 250, (int(torch.randint(3, 9, (1,), generator=g)),), generator=g).tolist() for _ in range(S)]
+    S, G = 8, 2  # global sequences, completions per prompt
+    prompts = [torch.randint(0, 250, (int(torch.randint(3, 9, (1,), generator=g)),), generator=g).tolist()
+               for _ in range(S // G)]
+    prompts = [p for p in prompts for _ in range(G)]
     comps = []
     for _ in range(S):
         n = int(torch.randint(1, 7, (1,), generator=g))
@@ -39,8 +41,8 @@ def main(out, agg):
     per = S // world
     mine = slice(rank * per, (rank + 1) * per)
     cfg = SimpleNamespace(num_iterations=2, temperature=1.0, logprob_chunk=3, tis_cap=0.0, clip_low=0.2, clip_high=0.2,
-                          beta=0.1, loss_agg=agg, max_new_tokens=6, max_grad_norm=1.0)
-    batches = train.micro_batches(prompts[mine], comps[mine], adv[mine], 3 if world == 1 else 2, 257, device)
+                          beta=0.1, loss_agg=agg, max_new_tokens=6, max_grad_norm=1.0, grad_checkpointing=False)
+    batches = train.micro_batches(prompts[mine], comps[mine], adv[mine], 3 if world == 1 else 2, 257, device, G)
     train.fill_logprobs(ref, batches, "ref_logp", cfg)
     train.fill_logprobs(model, batches, "old_logp", cfg)
     tokens = dist.all_reduce(sum(mb["mask"].sum() for mb in batches).reshape(1)).item()

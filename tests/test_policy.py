@@ -20,30 +20,53 @@ def tiny():
     return path, policy.load_tokenizer(path)
 
 
-def naive_logprobs(lm, ids, attn, T, temperature=1.0):
+def full_sequences(mb):
+    """The micro-batch as one left-padded prompt + completion row per completion."""
+    index = torch.repeat_interleave(torch.arange(len(mb["repeats"])), mb["repeats"])
+    ids = torch.cat([mb["prompt_ids"][index], mb["completion_ids"]], 1)
+    attn = torch.cat([mb["prompt_mask"][index], torch.ones_like(mb["completion_ids"])], 1)
+    return ids, attn
+
+
+def naive_logprobs(lm, mb, temperature=1.0):
+    ids, attn = full_sequences(mb)
+    T = mb["mask"].shape[1]
     pos = (attn.cumsum(-1) - 1).clamp(min=0)
     logits = lm(input_ids=ids, attention_mask=attn, position_ids=pos).logits[:, -T - 1:-1].float() / temperature
-    return torch.log_softmax(logits, -1).gather(-1, ids[:, -T:, None]).squeeze(-1)
+    return torch.log_softmax(logits, -1).gather(-1, ids[:, -T:, None]).squeeze(-1) * mb["mask"]
 
 
-def random_batch(seed=0, S=5):
+G = 3
+
+
+def random_batch(seed=0, prompts=2):
+    """`prompts` prompts of different lengths, G completions of different lengths each."""
     g = torch.Generator().manual_seed(seed)
-    prompts = [torch.randint(0, 250, (int(torch.randint(2, 10, (1,), generator=g)),), generator=g).tolist() for _ in range(S)]
-    lengths = [int(torch.randint(1, 8, (1,), generator=g)) for _ in range(S)]
+    ps = [torch.randint(0, 250, (int(torch.randint(2, 10, (1,), generator=g)),), generator=g).tolist() for _ in range(prompts)]
+    lengths = [int(torch.randint(1, 8, (1,), generator=g)) for _ in range(prompts * G)]
     comps = [Completion(torch.randint(0, 250, (n,), generator=g).tolist(), [0.0] * n) for n in lengths]
-    return prompts, comps
+    return [p for p in ps for _ in range(G)], comps
 
 
-@pytest.mark.parametrize("chunk", [1, 3, 1024])
-def test_chunked_logprobs_equal_naive_values_and_gradients(tiny, chunk):
+def batches(seed=0, size=8, prompts=2):
+    ps, comps = random_batch(seed, prompts)
+    return micro_batches(ps, comps, torch.zeros(len(comps)), size, 257, torch.device("cpu"), G)
+
+
+def model_logprobs(model, mb, temperature=1.0, chunk=1024, entropy=False, share_prefix=True):
+    return model(mb["prompt_ids"], mb["prompt_mask"], mb["repeats"], mb["completion_ids"], mb["mask"], temperature,
+                 chunk, entropy, share_prefix)
+
+
+@pytest.mark.parametrize("chunk,share_prefix", [(1, True), (3, True), (1024, True), (3, False)])
+def test_chunked_logprobs_equal_naive_values_and_gradients(tiny, chunk, share_prefix):
     path, _ = tiny
     lm = policy.load_model(path)
     model = policy.LogProbModel(lm)
-    prompts, comps = random_batch()
-    (mb,) = micro_batches(prompts, comps, torch.zeros(5), 8, 257, torch.device("cpu"))
+    (mb,) = batches()
     T = mb["mask"].shape[1]
-    got = model(mb["ids"], mb["attn"], mb["mask"], 0.7, chunk)
-    want = naive_logprobs(lm, mb["ids"], mb["attn"], T, 0.7) * mb["mask"]
+    got = model_logprobs(model, mb, 0.7, chunk, share_prefix=share_prefix)
+    want = naive_logprobs(lm, mb, 0.7)
     torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
     (got * torch.arange(T)).sum().backward()
     grads = [p.grad.clone() for p in lm.parameters()]
@@ -56,13 +79,13 @@ def test_chunked_logprobs_equal_naive_values_and_gradients(tiny, chunk):
 def test_entropy_matches_the_full_distribution(tiny):
     path, _ = tiny
     lm = policy.load_model(path)
-    prompts, comps = random_batch(1)
-    (mb,) = micro_batches(prompts, comps, torch.zeros(5), 8, 257, torch.device("cpu"))
+    (mb,) = batches(1)
     with torch.no_grad():
-        _, ent = policy.LogProbModel(lm)(mb["ids"], mb["attn"], mb["mask"], 1.0, 4, entropy=True)
+        _, ent = model_logprobs(policy.LogProbModel(lm), mb, 1.0, 4, entropy=True)
         T = mb["mask"].shape[1]
-        pos = (mb["attn"].cumsum(-1) - 1).clamp(min=0)
-        logp = torch.log_softmax(lm(input_ids=mb["ids"], attention_mask=mb["attn"], position_ids=pos).logits[:, -T - 1:-1], -1)
+        ids, attn = full_sequences(mb)
+        pos = (attn.cumsum(-1) - 1).clamp(min=0)
+        logp = torch.log_softmax(lm(input_ids=ids, attention_mask=attn, position_ids=pos).logits[:, -T - 1:-1], -1)
         want = -(logp.exp() * logp).sum(-1) * mb["mask"]
     torch.testing.assert_close(ent, want, atol=1e-5, rtol=0)
 
@@ -110,9 +133,8 @@ def test_checkpoint_loads_with_from_pretrained_and_sync_streams_every_weight(tin
     model = policy.build(path, device, torch.float32)
     opt = policy.optimizer(model, 1e-2, 0.0)
     sched = policy.scheduler(opt, 4, 0.0, "constant")
-    prompts, comps = random_batch(2)
-    (mb,) = micro_batches(prompts, comps, torch.ones(5), 8, 257, device)
-    (-model(mb["ids"], mb["attn"], mb["mask"]).sum()).backward()
+    (mb,) = batches(2)
+    (-model_logprobs(model, mb).sum()).backward()
     opt.step()
     where = checkpoint.save(str(tmp_path), 1, model, opt, sched, tok, {"cursor": 0}, torch.float32, keep=2)
     assert checkpoint.latest(str(tmp_path)) == where
@@ -140,6 +162,17 @@ def test_partial_checkpoints_are_ignored_and_removed(tmp_path):
     removed = checkpoint.remove_partial(str(tmp_path))
     assert sorted(os.path.basename(p) for p in removed) == ["step_000004", "step_000006.partial"]
     assert sorted(os.listdir(base)) == ["step_000002"]
+
+
+def test_micro_batches_hold_each_prompt_once_and_cover_every_sequence():
+    mbs = batches(3, size=4, prompts=3)  # 9 sequences in groups of 3, micro-batches of 4: groups get split
+    assert sorted(i for mb in mbs for i in mb["index"]) == list(range(9))
+    for mb in mbs:
+        assert int(mb["repeats"].sum()) == len(mb["index"]) == mb["completion_ids"].shape[0]
+        assert mb["prompt_ids"].shape[0] == len(mb["repeats"])
+    lengths = [mb["prompt_mask"].sum(-1).tolist() for mb in mbs]
+    flat = [x for ls in lengths for x in ls]
+    assert flat == sorted(flat)  # prompts taken shortest first
 
 
 def test_lr_schedule():

@@ -127,7 +127,7 @@ def batch_of(completions, prompts=None):
     from train import micro_batches
 
     prompts = prompts or [[1, 2, 3]] * len(completions)
-    return micro_batches(prompts, completions, torch.zeros(len(completions)), 4, 257, torch.device("cpu"))
+    return micro_batches(prompts, completions, torch.zeros(len(completions)), 4, 257, torch.device("cpu"), len(completions))
 
 
 @pytest.mark.parametrize("case", ["identical", "constant_rewards", "empty", "truncated"])
@@ -161,7 +161,7 @@ def test_a_nan_gradient_skips_the_step_and_keeps_the_weights(process_group):
     mb["adv"] = torch.tensor([float("nan"), 1.0])
     before = {k: v.clone() for k, v in policy.hf_state(model)}
     cfg = SimpleNamespace(num_iterations=1, temperature=1.0, logprob_chunk=64, tis_cap=0.0, clip_low=0.2, clip_high=0.2,
-                          beta=0.0, loss_agg="token_mean", max_new_tokens=4, max_grad_norm=1.0)
+                          beta=0.0, loss_agg="token_mean", max_new_tokens=4, max_grad_norm=1.0, grad_checkpointing=False)
     totals = update(model, opt, sched, [mb], cfg, 4.0, 2)
     assert totals["skipped_steps"] == 1
     for k, v in policy.hf_state(model):
@@ -187,7 +187,7 @@ BAD_VALUES = {  # every config field, with a value it must refuse (the test belo
     "condition": None, "estimator": "ppo", "group_size": 1, "batch_size": 9, "micro_batch_size": 0, "num_iterations": 0,
     "lr": float("nan"), "lr_schedule": "linear", "warmup_ratio": 1.0, "weight_decay": -0.1, "max_grad_norm": -1.0,
     "beta": float("inf"), "clip_low": 1.0, "clip_high": -0.1, "loss_agg": "sum", "epochs": 0.0, "max_steps": -1,
-    "seed": -1, "max_prompt_len": 0, "max_new_tokens": 0, "temperature": 0.0, "top_p": 1.5, "sampler": "tgi",
+    "seed": -1, "max_prompt_len": 0, "max_new_tokens": 0, "temperature": 0.0, "top_p": 1.5, "ignore_eos": None, "sampler": "tgi",
     "vllm_gpu_memory_utilization": 1.0, "tis_cap": 0.5, "logp_gap_warn": 0.0, "length_limit": 0, "length_unit": "chars",
     "answer_format": "latex", "arith_difficulty": 7, "reward_timeout": 0.0, "skip_bad_rows": None, "dtype": "fp8",
     "grad_checkpointing": None, "ref_offload": None, "logprob_chunk": 0, "output_dir": "", "save_every": -1,
@@ -195,7 +195,7 @@ BAD_VALUES = {  # every config field, with a value it must refuse (the test belo
 }
 CHECKED_ELSEWHERE = {  # fields whose bad values are only known once data, rewards or the machine are consulted
     "data": "a missing file (test_train)", "rewards": "an unknown name (test_train)",
-    "condition": "a malformed or unknown condition (test_train)", "skip_bad_rows": "a boolean", "grad_checkpointing": "a boolean",
+    "condition": "a malformed or unknown condition (test_train)", "skip_bad_rows": "a boolean", "grad_checkpointing": "a boolean", "ignore_eos": "a boolean",
     "ref_offload": "a boolean", "resume": "a boolean", "wandb": "refused when wandb is not installed",
 }
 
