@@ -86,6 +86,16 @@ def micro_batches(prompts, completions, advantages, size, pad_id, device, group)
     return out
 
 
+def model_tokens(batches, shared):
+    """Tokens one forward pass over `batches` runs through the model: each distinct prompt once
+    when prompts are shared across their completions, once per completion otherwise."""
+    total = 0.0
+    for mb in batches:
+        prompt = mb["prompt_mask"].sum(-1)                                 # (b,)
+        total += (prompt.sum() if shared else (prompt * mb["repeats"]).sum()).item() + mb["mask"].sum().item()
+    return total
+
+
 def logprobs(model, mb, cfg, entropy=False):
     """The model's per-token log-probs (n, T) of a micro-batch's completions (and entropies)."""
     return model(mb["prompt_ids"], mb["prompt_mask"], mb["repeats"], mb["completion_ids"], mb["mask"], cfg.temperature,
@@ -195,6 +205,7 @@ def main(argv=None):
     model = policy.build(path, device, dtype, cfg.grad_checkpointing)
     ref = policy.build(path, device, dtype, frozen=True, offload=cfg.ref_offload) if cfg.beta > 0 else None
     opt = policy.optimizer(model, cfg.lr, cfg.weight_decay)
+    n_params = sum(p.numel() for p in model.parameters())  # global counts, also under FSDP
     sched = policy.scheduler(opt, derived.total_steps * cfg.num_iterations, cfg.warmup_ratio, cfg.lr_schedule)
     stop_ids = policy.stop_token_ids(model.lm.config, model.lm.generation_config, tokenizer)
     sampler = make_sampler(cfg.sampler, path, device, tokenizer, stop_ids, dtype, seed=cfg.seed + dist.rank(),
@@ -264,6 +275,8 @@ def main(argv=None):
         tokens = max(1.0, dist.all_reduce(sum(mb["mask"].sum() for mb in batches).reshape(1)).item())
         totals = update(model, opt, sched, batches, cfg, tokens / dist.world_size(), derived.seqs_per_rank)
         t_update = time.perf_counter() - t0
+        update_tokens = model_tokens(batches, shared=not cfg.grad_checkpointing)
+        update_tokens = dist.all_reduce(torch.tensor([update_tokens], dtype=torch.float64, device=device)).item()
         checkpoint.inject_fault("mid_step", step)  # reliability tests: a kill between the update and the save
 
         # 7. The sampler gets the new weights, streamed one tensor at a time.
@@ -284,7 +297,9 @@ def main(argv=None):
               "completion/truncated_frac": truncated.float().mean().item(), "lr": sched.get_last_lr()[0],
               "time/generate": t_gen, "time/reward": t_reward, "time/logprob": t_logprob, "time/update": t_update,
               "time/sync": t_sync, "time/step": time.perf_counter() - t_step,
-              "throughput/gen_tokens_per_s": gen_tokens / max(t_gen, 1e-9)}
+              "throughput/gen_tokens_per_s": gen_tokens / max(t_gen, 1e-9),
+              "throughput/update_tokens_per_s": update_tokens / max(t_update, 1e-9),
+              "throughput/update_tflops_per_device": 6 * n_params * update_tokens / max(t_update, 1e-9) / 1e12 / dist.world_size()}
         if m["sampler/logp_gap"] > cfg.logp_gap_warn:
             log.write(f"warning: step {step}: sampler/trainer log-prob gap {m['sampler/logp_gap']:.3f} > "
                       f"{cfg.logp_gap_warn} (stale or broken weight sync?)", error=True)

@@ -19,6 +19,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from minigdpo.policy import chunked_logprobs  # noqa: E402  (imported before any measurement)
 
 
 def peak_rss_mb():
@@ -45,8 +46,6 @@ def naive(hidden, weight, targets, args):
 
 
 def chunked(hidden, weight, targets, args):
-    from minigdpo.policy import chunked_logprobs
-
     return chunked_logprobs(hidden, weight, targets, 1.0, args.chunk)[0]
 
 

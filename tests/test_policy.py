@@ -11,7 +11,7 @@ import torch
 
 from minigdpo import checkpoint, policy
 from minigdpo.sampler import Completion, HFSampler, SamplingParams, sample_next
-from train import micro_batches
+from train import micro_batches, model_tokens
 
 
 @pytest.fixture(scope="module")
@@ -173,6 +173,16 @@ def test_micro_batches_hold_each_prompt_once_and_cover_every_sequence():
     lengths = [mb["prompt_mask"].sum(-1).tolist() for mb in mbs]
     flat = [x for ls in lengths for x in ls]
     assert flat == sorted(flat)  # prompts taken shortest first
+
+
+def test_model_tokens_count_a_shared_prompt_once():
+    ps, comps = random_batch(4, prompts=3)
+    mbs = micro_batches(ps, comps, torch.zeros(len(comps)), 4, 257, torch.device("cpu"), G)
+    completion_tokens = sum(len(c.token_ids) for c in comps)
+    assert model_tokens(mbs, shared=False) == sum(len(p) for p in ps) + completion_tokens
+    # each micro-batch runs each of its distinct prompts once
+    assert model_tokens(mbs, shared=True) == sum(len(ps[i]) for mb in mbs for i in {j // G * G for j in mb["index"]}) \
+        + completion_tokens
 
 
 def test_lr_schedule():

@@ -28,6 +28,7 @@ def test_smoke_run(tmp_path, nproc):
     for key in ["reward/tests.helpers:digit_frac/mean", "reward/format/std", "adv/distinct_per_group", "loss", "kl",
                 "loss/clip_low_frac", "entropy", "grad_norm", "lr", "completion/len_mean", "completion/truncated_frac",
                 "time/generate", "time/reward", "time/logprob", "time/update", "throughput/gen_tokens_per_s",
+                "throughput/update_tokens_per_s", "throughput/update_tflops_per_device",
                 "sampler/logp_gap", "reward/format/errors"]:
         assert key in rows[0], key
     assert rows[0]["grad_norm"] > 0 and rows[0]["adv/distinct_per_group"] > 1  # there was a signal to learn from

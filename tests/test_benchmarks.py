@@ -1,0 +1,37 @@
+"""The benchmark scripts run end to end on shapes small enough for a test (their figures are not
+checked here; the README's Performance section has the measured ones).
+
+Run: pytest tests/test_benchmarks.py
+"""
+
+import os
+import re
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SMALL_QWEN2 = ["--layers", "2", "--hidden", "64", "--heads", "4", "--kv-heads", "2", "--intermediate", "128",
+               "--vocab", "4096"]
+
+
+def bench(script, *args):
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", script), *args], cwd=ROOT,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc.stdout
+
+
+def test_gpu_benchmark_reports_step_time_throughput_and_mfu():
+    out = bench("gpu.py", *SMALL_QWEN2, "--steps", "3", "--peak-tflops", "0.01", "--dtype", "fp32")
+    assert "median of 2 steps after warm-up" in out
+    mfu = float(re.search(r"MFU ([\d.]+)%", out).group(1))
+    update = float(re.search(r"update tokens/s\s+(\d+)", out).group(1))
+    assert mfu > 0 and update > 0
+
+
+def test_logprob_memory_benchmark_compares_chunked_with_naive():
+    out = bench("logprob_memory.py", "--vocab", "5000", "--tokens", "256", "--batch", "2", "--chunk", "64", "--reps", "1")
+    ratio = float(re.search(r"peak memory: ([\d.]+)%", out).group(1))
+    diffs = [float(x) for x in re.findall(r"(?:logp|grad_h|grad_w) ([\d.e+-]+)", out)]
+    assert len(diffs) == 3 and max(diffs) < 1e-5
+    assert ratio < 100
