@@ -21,7 +21,7 @@ Departures from that recipe (all deliberate, all documented):
 - the default rollout backend on GPU is vLLM colocated in each rank (TRL's colocate mode).
 
 Launch:
-  python train.py --preset cpu-demo                          # offline CPU demo, ~10 min on 2 cores
+  python train.py --preset cpu-demo                          # offline CPU demo, ~6 min on 2 cores
   python train.py --preset smoke                             # tiny random model, seconds
   python train.py --preset a100 --estimator gdpo             # one 80 GB A100
   torchrun --nproc_per_node 8 train.py --estimator gdpo      # the paper's recipe on 8 GPUs
@@ -41,7 +41,7 @@ from minigdpo.advantages import ESTIMATORS, Condition, apply_conditions
 from minigdpo.collapse import distinct_per_group
 from minigdpo.loss import policy_loss
 from minigdpo.rewards import RewardScorer
-from minigdpo.sampler import SamplingParams, SamplerUnavailable, make_sampler, resolve_kind
+from minigdpo.sampler import SamplingParams, SamplerUnavailable, left_pad, make_sampler, resolve_kind
 
 
 def compute_dtype(cfg, device):
@@ -63,15 +63,11 @@ def micro_batches(prompts, completions, advantages, size, pad_id, device, group)
     out = []
     for s in range(0, len(order), size):
         idx = order[s:s + size]
-        owners = sorted({i // group for i in idx}, key=by_length.index)   # distinct prompts, in order
-        repeats = torch.tensor([sum(i // group == p for i in idx) for p in owners])  # (b,)
-        P = max(len(prompts[p * group]) for p in owners)
+        owner_of = [i // group for i in idx]
+        owners = list(dict.fromkeys(owner_of))                             # distinct prompts, in order
+        repeats = torch.tensor([owner_of.count(p) for p in owners])        # (b,)
+        prompt_ids, prompt_mask = left_pad([prompts[p * group] for p in owners], pad_id, device)  # (b, P)
         T = max(1, max(len(completions[i].token_ids) for i in idx))
-        prompt_ids = torch.full((len(owners), P), pad_id, dtype=torch.long)     # (b, P)
-        prompt_mask = torch.zeros((len(owners), P), dtype=torch.long)           # (b, P)
-        for row, p in enumerate(owners):
-            ids = prompts[p * group]
-            prompt_ids[row, P - len(ids):], prompt_mask[row, P - len(ids):] = torch.tensor(ids), 1
         completion_ids = torch.full((len(idx), T), pad_id, dtype=torch.long)    # (n, T)
         mask = torch.zeros((len(idx), T))                                        # (n, T)
         sampler_logp = torch.zeros((len(idx), T))                                # (n, T)
@@ -80,7 +76,7 @@ def micro_batches(prompts, completions, advantages, size, pad_id, device, group)
             if n:
                 completion_ids[row, :n], mask[row, :n] = torch.tensor(completions[i].token_ids), 1
                 sampler_logp[row, :n] = torch.tensor(completions[i].logprobs)
-        out.append({"index": idx, "prompt_ids": prompt_ids.to(device), "prompt_mask": prompt_mask.to(device),
+        out.append({"index": idx, "prompt_ids": prompt_ids, "prompt_mask": prompt_mask,
                     "repeats": repeats.to(device), "completion_ids": completion_ids.to(device), "mask": mask.to(device),
                     "adv": advantages[idx].to(device), "sampler_logp": sampler_logp.to(device)})
     return out

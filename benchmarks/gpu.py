@@ -18,7 +18,6 @@ every completion token. --peak-tflops is the accelerator's dense bf16 peak: 989 
 """
 
 import argparse
-import json
 import os
 import statistics
 import subprocess
@@ -27,6 +26,7 @@ import tempfile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+from minigdpo.plot import read_run  # noqa: E402
 
 
 def model_dir(layers, hidden, heads, kv_heads, intermediate, vocab):
@@ -71,8 +71,7 @@ def main(argv=None):
     if "--dtype" not in train_args:
         cmd += ["--dtype", "auto"]  # bf16 on an accelerator
     subprocess.run(cmd, check=True, cwd=ROOT)
-    with open(os.path.join(out, "metrics.jsonl")) as f:
-        rows = [json.loads(line) for line in f][1:]
+    rows = read_run(out)[1:]
 
     def med(key):
         return statistics.median(r[key] for r in rows)

@@ -69,6 +69,7 @@ def prompts_file(n, out):
 
 def run_minigdpo(args, model, data):
     import train
+    from minigdpo.plot import read_run
 
     out = tempfile.mkdtemp(prefix="bench-minigdpo-")
     train.main(["--model", model, "--task", "gsm8k", "--data", data, "--rewards", "correct,integer,format",
@@ -77,8 +78,7 @@ def run_minigdpo(args, model, data):
                 "--max-steps", str(args.steps), "--max-new-tokens", str(args.max_new_tokens), "--max-prompt-len", "512",
                 "--ignore-eos", "--temperature", "1.0", "--sampler", "hf", "--save-every", "0", "--samples-every", "0",
                 "--warmup-ratio", "0", "--output-dir", out])
-    with open(os.path.join(out, "metrics.jsonl")) as f:
-        return [json.loads(line)["time/step"] for line in f]
+    return [row["time/step"] for row in read_run(out)]
 
 
 def run_trl(args, model, data):

@@ -292,11 +292,10 @@ def hf_state(model, dtype=None):
     name (the input embedding), as in Hugging Face checkpoints. Every rank must iterate
     to the end, in the same order: each step is a collective all-gather.
     """
-    seen = set()
+    tied = tied_names(model)
     for name, t in model.lm.state_dict(keep_vars=True).items():
-        if id(t) in seen:
+        if name in tied:
             continue
-        seen.add(id(t))
         full = dist.full_tensor(t.detach())
         yield name, full.to(dtype) if dtype is not None else full
 
