@@ -148,7 +148,7 @@ def loss_metrics(totals):
     """Reduce the update statistics over ranks into per-token means."""
     sums = torch.stack([totals[k].float() for k in ("tokens", "loss", "pg_loss", "kl", "clip_low", "clip_high",
                                                      "ratio", "entropy")] + list(totals["logp_gap"].float()))
-    dist.all_reduce(sums)
+    sums = dist.all_reduce(sums)
     tokens = max(sums[0].item(), 1.0)
     lo = dist.all_reduce(totals["ratio_min"].float().clone(), op="min").item()
     hi = dist.all_reduce(totals["ratio_max"].float().clone(), op="max").item()
@@ -179,14 +179,26 @@ def rewards_setup(cfg, task):
 
 
 def main(argv=None):
+    """Train; the process group is destroyed on every exit, errors included."""
+    try:
+        run_training(argv)
+    finally:
+        dist.cleanup()
+
+
+def run_training(argv=None):
     cfg = config.parse_args(argv, __doc__)
     config.validate(cfg)  # before anything heavy: a bad value costs no model load
     extra = {"length_limit": cfg.length_limit, "length_unit": cfg.length_unit, "answer_format": cfg.answer_format}
     task = data.load_task(cfg.task, cfg.data, "train", cfg.skip_bad_rows, cfg.arith_difficulty, extra)
     reward_names, conditions, weights, scorer = rewards_setup(cfg, task)
     resolve_kind(cfg.sampler)  # a missing vLLM or GPU is reported before any model loads
-    device = dist.init()
-    derived = config.resolve(cfg, dist.world_size(), len(task.examples))
+    try:
+        device = dist.init(cfg.sharding)
+    except ValueError as e:  # nodes with different numbers of ranks cannot form an HSDP mesh
+        raise config.ConfigError(f"--sharding {cfg.sharding}: {e}") from None
+    derived = config.resolve(cfg, dist.world_size(), len(task.examples), dist.mesh().shape)
+    checkpoint.check_shared(cfg.output_dir)  # multi-node: one filesystem for every rank, checked before any load
     run = config.describe(cfg, derived) | {"rewards": reward_names}
     dist.print0(f"minigdpo: {cfg.estimator} on {cfg.task} ({len(task.examples)} prompts"
                 + (f", {task.skipped} malformed rows skipped" if task.skipped else "") + f"), rewards {reward_names}")
@@ -211,9 +223,9 @@ def main(argv=None):
 
     start, cursor = 0, 0
     if cfg.resume:
-        for p in checkpoint.remove_partial(cfg.output_dir):
+        last, removed = checkpoint.resume_point(cfg.output_dir)  # decided on rank 0, the same on every rank
+        for p in removed:
             dist.print0(f"removed incomplete checkpoint {p}")
-        last = checkpoint.latest(cfg.output_dir)
         if last is None:
             dist.print0(f"--resume: no complete checkpoint in {cfg.output_dir}, starting from step 0")
         else:
@@ -318,7 +330,6 @@ def main(argv=None):
 
     log.close()
     dist.print0(metrics.start_end_table(log.first, log.recent, reward_names))
-    dist.cleanup()
 
 
 if __name__ == "__main__":

@@ -12,6 +12,7 @@ once COMPLETE is in it. A kill mid-save leaves a .partial directory that resume 
 deletes, and the previous checkpoint untouched.
 """
 
+import contextlib
 import errno
 import json
 import os
@@ -19,12 +20,15 @@ import random
 import re
 import shutil
 import signal
+import socket
+import time
 
 import numpy as np
 import torch
 from safetensors.torch import save_file
 
 from minigdpo import dist
+from minigdpo.config import ConfigError
 from minigdpo.policy import hf_state
 
 _STEP_DIR = re.compile(r"^step_(\d{6,})$")
@@ -32,26 +36,65 @@ MAX_SHARD_BYTES = 4 * 1024**3
 
 
 class CheckpointError(RuntimeError):
-    """A checkpoint could not be written; the message names the path."""
+    """A checkpoint could not be written; the message names the rank and the path."""
 
 
 def inject_fault(point, step):
     """Fault-injection hook for the reliability tests; does nothing unless MINIGDPO_FAULT is set.
 
-    MINIGDPO_FAULT=POINT@STEP SIGKILLs rank MINIGDPO_FAULT_RANK (default 0) when it reaches
-    POINT at STEP; MINIGDPO_FAULT=enospc@STEP makes the checkpoint write at STEP fail as a full
-    disk would.
+    MINIGDPO_FAULT=POINT@STEP acts on rank MINIGDPO_FAULT_RANK (default 0) when it reaches POINT at
+    STEP: enospc and enospc_state make that rank's Hugging Face export or sharded-state write fail as a
+    full disk would; any other point SIGKILLs the rank there.
     """
     spec = os.environ.get("MINIGDPO_FAULT")
     if not spec or spec != f"{point}@{step}" or os.environ.get("MINIGDPO_FAULT_RANK", "0") != str(dist.rank()):
         return
-    if point == "enospc":
+    if point.startswith("enospc"):
         raise OSError(errno.ENOSPC, "No space left on device (injected)")
     os.kill(os.getpid(), signal.SIGKILL)
 
 
 def root(output_dir):
     return os.path.join(output_dir, "checkpoints")
+
+
+def check_shared(output_dir):
+    """Stop on every rank, before any weights load, unless every rank sees the same output_dir.
+
+    Checkpoints need one shared filesystem: DCP puts each rank's shards in one folder, rank 0 writes
+    its metadata and the Hugging Face export, and resume must find them all. Rank 0 writes a nonce
+    that every rank reads back after a barrier.
+    """
+    if dist.world_size() == 1:
+        return
+    nonce = os.path.join(output_dir, f".minigdpo-shared-{os.getpid()}-{time.time_ns()}")
+    nonce = dist.broadcast_object(nonce)
+    error = ""
+    if dist.is_main():
+        try:
+            os.makedirs(output_dir, exist_ok=True)
+            with open(nonce, "w") as f:
+                f.write(nonce)
+        except OSError as e:
+            error = f"{type(e).__name__}: {e}"
+    error = dist.broadcast_object(error)
+    seen = False
+    if not error:
+        try:
+            with open(nonce) as f:
+                seen = f.read() == nonce
+        except OSError:
+            pass
+    views = dist.all_gather_object((seen, socket.gethostname()))
+    if dist.is_main():
+        with contextlib.suppress(OSError):
+            os.remove(nonce)
+    if error:
+        raise ConfigError(f"--output-dir {output_dir}: rank 0 cannot write there ({error})")
+    blind = [f"rank {r} on {host}" for r, (ok, host) in enumerate(views) if not ok]
+    if blind:
+        raise ConfigError(f"--output-dir {output_dir} is not the same directory on every node ({', '.join(blind)} "
+                             "cannot see what rank 0 wrote there): put it on a filesystem every node shares")
 
 
 def latest(output_dir):
@@ -69,45 +112,82 @@ def latest(output_dir):
 
 
 def remove_partial(output_dir):
-    """Delete what interrupted saves left behind (rank 0); returns the removed paths."""
+    """Delete what interrupted saves left behind; returns the removed paths. Rank 0 only."""
     removed = []
     base = root(output_dir)
-    if dist.is_main() and os.path.isdir(base):
+    if os.path.isdir(base):
         for name in sorted(os.listdir(base)):
             path = os.path.join(base, name)
             if name.endswith(".partial") or (_STEP_DIR.match(name) and not os.path.exists(os.path.join(path, "COMPLETE"))):
                 shutil.rmtree(path, ignore_errors=True)
                 removed.append(path)
-    dist.barrier()
     return removed
 
 
+def resume_point(output_dir):
+    """(checkpoint to resume from or None, removed partial paths): decided once, on rank 0, and
+    broadcast, so that every rank loads the same step."""
+    decision = (None, [])
+    if dist.is_main():
+        removed = remove_partial(output_dir)
+        decision = (latest(output_dir), removed)
+    return dist.broadcast_object(decision)
+
+
 def _write_hf(model, tokenizer, path, dtype, step):
-    """A Hugging Face directory, streaming one full tensor at a time (rank 0 writes)."""
-    shards, current, size = [], {}, 0
+    """A Hugging Face directory, streamed: rank 0 writes each safetensors file as soon as it is full.
+
+    Every rank iterates hf_state to its end, since each step is a collective. A write that fails on
+    rank 0 stops its writing, not its iterating, so the ranks stay in step; returns the error or "".
+    """
+    main, error, files, current, size = dist.is_main(), "", [], {}, 0
+
+    def flush():
+        name = f"model-{len(files) + 1:05d}.safetensors"
+        save_file(current, os.path.join(path, name), metadata={"format": "pt"})
+        files.append((name, {k: t.numel() * t.element_size() for k, t in current.items()}))
+        inject_fault("between_shards", step)
+
+    try:
+        inject_fault("enospc", step)
+        if main:
+            os.makedirs(path, exist_ok=True)
+    except OSError as e:
+        error = _explain(e, path)
     for name, tensor in hf_state(model, dtype):  # every rank iterates: each step is a collective
-        if dist.is_main():
+        if not main or error:
+            continue
+        try:
             t = tensor.detach().to("cpu").contiguous()
             if current and size + t.numel() * t.element_size() > MAX_SHARD_BYTES:
-                shards.append(current)
+                flush()
                 current, size = {}, 0
             current[name] = t
             size += t.numel() * t.element_size()
-    if not dist.is_main():
-        return
-    shards.append(current)
-    os.makedirs(path, exist_ok=True)
-    if len(shards) == 1:
-        save_file(shards[0], os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
+        except OSError as e:
+            error = _explain(e, path)
+    if not main or error:
+        return error
+    try:
+        flush()
+        _finish_hf(model, tokenizer, path, dtype, files)
+    except OSError as e:
+        error = _explain(e, path)
+    return error
+
+
+def _finish_hf(model, tokenizer, path, dtype, files):
+    """Name the safetensors files as Hugging Face expects, then write config and tokenizer."""
+    if len(files) == 1:
+        os.replace(os.path.join(path, files[0][0]), os.path.join(path, "model.safetensors"))
     else:
         index = {"metadata": {"total_size": 0}, "weight_map": {}}
-        for i, shard in enumerate(shards, start=1):
-            fname = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
-            save_file(shard, os.path.join(path, fname), metadata={"format": "pt"})
-            inject_fault("between_shards", step)
-            for k, t in shard.items():
-                index["weight_map"][k] = fname
-                index["metadata"]["total_size"] += t.numel() * t.element_size()
+        for i, (name, sizes) in enumerate(files, start=1):
+            final = f"model-{i:05d}-of-{len(files):05d}.safetensors"
+            os.replace(os.path.join(path, name), os.path.join(path, final))
+            for k, nbytes in sizes.items():
+                index["weight_map"][k] = final
+                index["metadata"]["total_size"] += nbytes
         with open(os.path.join(path, "model.safetensors.index.json"), "w") as f:
             json.dump(index, f, indent=2)
     config = model.lm.config
@@ -137,28 +217,53 @@ def _explain(error, path):
     return text
 
 
-def save(output_dir, step, model, optimizer, sched, tokenizer, trainer_state, save_dtype, keep):
-    """Write checkpoint `step` atomically on all ranks; raise CheckpointError (on every rank) on failure."""
-    final = os.path.join(root(output_dir), f"step_{step:06d}")
-    tmp = final + ".partial"
-    ok = True
-    error = ""
+def _attempt(fn, path):
+    """Run one rank's part of a save phase; the error as one line, or ""."""
     try:
+        fn()
+    except dist.SaveError as e:  # DCP's own verdict, the same on every rank, naming the failed rank(s)
+        return str(e)
+    except Exception as e:  # OSError for a full disk or a failed write
+        return _explain(e, path)
+    return ""
+
+
+def _agree(error, tmp):
+    """End of a save phase: every rank learns every rank's error, so all of them stop together.
+
+    Each phase runs all of its collectives on every rank whatever fails locally, so this vote is
+    the next collective on every rank, and no rank waits inside a collective another has skipped.
+    """
+    errors = dist.all_gather_object(error)
+    bad = [(r, e) for r, e in enumerate(errors) if e]
+    if bad:
         if dist.is_main():
             shutil.rmtree(tmp, ignore_errors=True)
-            os.makedirs(os.path.join(tmp, "rng"), exist_ok=True)
-        dist.barrier()
-        inject_fault("enospc", step)
-        _write_hf(model, tokenizer, os.path.join(tmp, "hf"), save_dtype, step)
-        inject_fault("after_hf", step)
-        dist.save_sharded(model, optimizer, os.path.join(tmp, "state"))
+        r, e = bad[0]
+        where = e if e.startswith("rank ") else f"rank {r}: {e}"
+        raise CheckpointError(f"could not write checkpoint {tmp}: {where}")
+
+
+def save(output_dir, step, model, optimizer, sched, tokenizer, trainer_state, save_dtype, keep):
+    """Write checkpoint `step` atomically on all ranks; raise CheckpointError on every rank on failure,
+    within one phase of the failure, leaving the previous checkpoint untouched."""
+    final = os.path.join(root(output_dir), f"step_{step:06d}")
+    tmp = final + ".partial"
+
+    def prepare():  # rank 0 alone creates the temporary folder: on a shared filesystem it is one folder
+        if dist.is_main():
+            shutil.rmtree(tmp, ignore_errors=True)
+            os.makedirs(tmp)
+
+    def write_state():  # each rank creates every folder it writes to
+        os.makedirs(os.path.join(tmp, "rng"), exist_ok=True)
+        dist.save_sharded(model, optimizer, os.path.join(tmp, "state"),
+                          before_write=lambda: inject_fault("enospc_state", step))
         inject_fault("after_state", step)
         torch.save(_rng_state(), os.path.join(tmp, "rng", f"rank{dist.rank()}.pt"))
-    except Exception as e:  # OSError for a full disk or a failed write, anything else from DCP
-        ok, error = False, _explain(e, tmp)
-    ok = bool(dist.all_reduce(torch.tensor([int(ok)]), op="min").item())
-    if ok and dist.is_main():
-        try:
+
+    def finish():
+        if dist.is_main():
             with open(os.path.join(tmp, "trainer.json"), "w") as f:
                 json.dump({**trainer_state, "step": step, "scheduler": sched.state_dict()}, f, indent=2, default=str)
             with open(os.path.join(tmp, "COMPLETE"), "w") as f:
@@ -166,17 +271,13 @@ def save(output_dir, step, model, optimizer, sched, tokenizer, trainer_state, sa
             inject_fault("before_rename", step)
             shutil.rmtree(final, ignore_errors=True)
             os.replace(tmp, final)
-        except OSError as e:
-            ok, error = False, _explain(e, tmp)
-    ok = bool(dist.broadcast_object(ok))
-    errors = [e for e in dist.all_gather_object(error) if e]
-    if not ok:
-        if dist.is_main():
-            shutil.rmtree(tmp, ignore_errors=True)
-        raise CheckpointError(f"could not write checkpoint {tmp}: {errors[0] if errors else 'another rank failed'}")
-    if dist.is_main():
-        _prune(output_dir, keep)
-    dist.barrier()
+            _prune(output_dir, keep)
+
+    _agree(_attempt(prepare, tmp), tmp)
+    _agree(_write_hf(model, tokenizer, os.path.join(tmp, "hf"), save_dtype, step), tmp)
+    inject_fault("after_hf", step)
+    _agree(_attempt(write_state, tmp), tmp)
+    _agree(_attempt(finish, tmp), tmp)
     return final
 
 

@@ -113,6 +113,9 @@ class Config:
     """Recompute activations in the backward pass to save memory."""
     ref_offload: bool = False
     """Keep the frozen reference model's shards in CPU memory."""
+    sharding: str = "auto"
+    """FSDP2 layout: fsdp shards over all ranks; hsdp shards within a node and replicates across nodes, so
+    per-layer all-gathers never cross the network; auto is hsdp when the run spans more than one node."""
     logprob_chunk: int = 1024
     """Tokens per chunk of the log-softmax, so [B, T, V] float32 logits never exist at once."""
 
@@ -161,6 +164,7 @@ CHOICES = {
     "length_unit": ("tokens", "words"),
     "answer_format": ("answer", "boxed"),
     "on_save_error": ("stop", "continue"),
+    "sharding": ("auto", "fsdp", "hsdp"),
     "preset": tuple(PRESETS),
 }
 
@@ -281,9 +285,10 @@ class Derived:
     seqs_per_rank: int         # prompts_per_rank * G
     grad_accum: int            # micro-batches per optimizer step on one rank
     total_steps: int           # RL steps (each is num_iterations optimizer steps)
+    mesh: tuple = ()           # FSDP2 device mesh: (ranks,) flat, or (nodes, ranks per node) for HSDP
 
 
-def resolve(cfg, world_size, num_prompts):
+def resolve(cfg, world_size, num_prompts, mesh=()):
     """Validate, then derive sizes for `world_size` ranks and a prompt set of `num_prompts`."""
     validate(cfg)
     _check(cfg.batch_size % (world_size * cfg.group_size) == 0,
@@ -294,7 +299,7 @@ def resolve(cfg, world_size, num_prompts):
     seqs = per_rank * cfg.group_size
     _check(num_prompts >= 1, "the prompt set is empty")
     steps = cfg.max_steps or max(1, int(cfg.epochs * num_prompts) // prompts)
-    return Derived(world_size, prompts, per_rank, seqs, math.ceil(seqs / cfg.micro_batch_size), steps)
+    return Derived(world_size, prompts, per_rank, seqs, math.ceil(seqs / cfg.micro_batch_size), steps, tuple(mesh))
 
 
 def describe(cfg, derived):

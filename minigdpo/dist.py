@@ -1,24 +1,36 @@
-"""Everything torch.distributed: process group, rank helpers, collectives, FSDP2 sharding
-and sharded checkpoints. No other file imports torch.distributed.
+"""Everything torch.distributed: process group, rank helpers, collectives, the device mesh, FSDP2
+sharding and sharded checkpoints. No other file imports torch.distributed.
 
 A plain `python train.py` is world size 1 on the same code path: it initialises a
 one-process group (gloo on CPU, NCCL on GPU) so that FSDP2 and the collectives work unchanged.
+
+NCCL serves CUDA tensors only: a host tensor that reaches one of its collectives raises "No backend
+type associated with device type cpu". So every wrapper here puts its tensors on the training device
+itself and returns its result there, and a call site can hand it a tensor from anywhere.
 """
 
 import datetime
 import os
 
 import torch
-import torch.distributed as dist
+import torch.distributed as tdist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
+_device = None   # the training device, set by init(): every collective's tensors go there
+_mesh = None     # the FSDP2 device mesh, built once by init()
 
-def init():
-    """Join (or create) the process group; returns the device this rank computes on."""
+
+def init(sharding="auto"):
+    """Join (or create) the process group and build the device mesh; returns this rank's device.
+
+    sharding: fsdp shards every parameter over all ranks; hsdp shards within a node and replicates
+    across nodes (a 2-D mesh); auto picks hsdp when the run spans more than one node.
+    """
+    global _device, _mesh
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     if torch.cuda.is_available():
         device = torch.device("cuda", local_rank)
@@ -27,25 +39,49 @@ def init():
     else:
         device = torch.device("cpu")
         backend = "gloo"
-    if not dist.is_initialized():
+    if not tdist.is_initialized():
         kwargs = dict(timeout=datetime.timedelta(minutes=30), device_id=device if backend == "nccl" else None)
         if "RANK" not in os.environ:  # a plain `python train.py`: a group of one, in memory, no port
-            kwargs.update(store=dist.HashStore(), rank=0, world_size=1)
-        dist.init_process_group(backend, **kwargs)
+            kwargs.update(store=tdist.HashStore(), rank=0, world_size=1)
+        tdist.init_process_group(backend, **kwargs)
+    _device = device
+    shape = mesh_shape(sharding, world_size(), int(os.environ.get("LOCAL_WORLD_SIZE", world_size())))
+    names = ("replicate", "shard") if len(shape) == 2 else ("shard",)
+    _mesh = init_device_mesh(device.type, shape, mesh_dim_names=names)
     return device
 
 
+def mesh_shape(sharding, world, local_world):
+    """(world,) for a flat mesh; (nodes, ranks per node) for HSDP, which all-gathers only within a node."""
+    if local_world < 1 or world % local_world:
+        raise ValueError(f"world size {world} is not a whole number of nodes of {local_world} ranks")
+    if sharding == "hsdp" or (sharding == "auto" and local_world < world):
+        return (world // local_world, local_world)
+    return (world,)
+
+
+def mesh():
+    return _mesh
+
+
+def device():
+    """The training device (the host before init)."""
+    return _device if _device is not None else torch.device("cpu")
+
+
 def cleanup():
-    if dist.is_initialized():
-        dist.destroy_process_group()
+    global _mesh
+    _mesh = None
+    if tdist.is_initialized():
+        tdist.destroy_process_group()
 
 
 def rank():
-    return dist.get_rank() if dist.is_initialized() else 0
+    return tdist.get_rank() if tdist.is_initialized() else 0
 
 
 def world_size():
-    return dist.get_world_size() if dist.is_initialized() else 1
+    return tdist.get_world_size() if tdist.is_initialized() else 1
 
 
 def is_main():
@@ -58,57 +94,56 @@ def print0(*args, **kwargs):
 
 
 def barrier():
+    """Wait for every rank: a one-element all-reduce on the training device (what a barrier is)."""
     if world_size() > 1:
-        dist.barrier()
+        tdist.all_reduce(torch.zeros(1, device=device()))
 
 
 def all_gather(tensor):
-    """Concatenate equally shaped tensors from every rank along dim 0, in rank order."""
+    """Concatenate equally shaped tensors from every rank along dim 0, in rank order, on the training device."""
+    tensor = tensor.to(device()).contiguous()
     if world_size() == 1:
         return tensor
-    device = tensor.device
-    if dist.get_backend() == "nccl" and device.type != "cuda":
-        tensor = tensor.cuda()
     parts = [torch.empty_like(tensor) for _ in range(world_size())]
-    dist.all_gather(parts, tensor.contiguous())
-    return torch.cat(parts).to(device)
-
-
-def all_gather_object(obj):
-    """A list with every rank's picklable `obj`, in rank order."""
-    if world_size() == 1:
-        return [obj]
-    out = [None] * world_size()
-    dist.all_gather_object(out, obj)
-    return out
+    tdist.all_gather(parts, tensor)
+    return torch.cat(parts)
 
 
 def all_reduce(tensor, op="sum"):
-    """In-place sum/max/min over ranks; returns the tensor."""
+    """Sum, max or min over ranks, returned as a new tensor on the training device."""
+    out = tensor.to(device(), copy=True)
     if world_size() > 1:
-        ops = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
-        dist.all_reduce(tensor, op=ops[op])
-    return tensor
+        tdist.all_reduce(out, op={"sum": tdist.ReduceOp.SUM, "max": tdist.ReduceOp.MAX, "min": tdist.ReduceOp.MIN}[op])
+    return out
+
+
+def all_gather_object(obj):
+    """A list with every rank's picklable `obj`, in rank order (torch picks the group's device)."""
+    if world_size() == 1:
+        return [obj]
+    out = [None] * world_size()
+    tdist.all_gather_object(out, obj)
+    return out
 
 
 def broadcast_object(obj, src=0):
     if world_size() == 1:
         return obj
     box = [obj]
-    dist.broadcast_object_list(box, src=src)
+    tdist.broadcast_object_list(box, src=src)
     return box[0]
 
 
-def shard(model, layers, device, param_dtype=None, offload=False, reshard_after_forward=True):
-    """FSDP2: fully_shard each decoder layer, then the root, over all ranks.
+def shard(model, layers, param_dtype=None, offload=False, reshard_after_forward=True):
+    """FSDP2: fully_shard each decoder layer, then the root, over the mesh built by init().
 
     param_dtype (e.g. bf16) casts parameters for compute while master weights and gradient
-    reduction stay fp32. offload keeps the shards in CPU memory (for the frozen reference).
+    reduction stay fp32. offload keeps the shards in CPU memory (for the frozen reference); pinned
+    memory needs an accelerator, so it is pinned only on one.
     """
-    mesh = init_device_mesh(device.type, (world_size(),))
-    kwargs = dict(mesh=mesh, mp_policy=MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32))
+    kwargs = dict(mesh=_mesh, mp_policy=MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32))
     if offload:
-        kwargs["offload_policy"] = CPUOffloadPolicy()
+        kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=device().type != "cpu")
     for layer in layers:
         fully_shard(layer, reshard_after_forward=reshard_after_forward, **kwargs)
     fully_shard(model, **kwargs)  # the root keeps its parameters between forward and backward
@@ -120,16 +155,37 @@ def full_tensor(t):
     return t.full_tensor() if isinstance(t, DTensor) else t
 
 
-def save_sharded(model, optimizer, path):
-    """Each rank writes its shards of model and optimizer state (torch.distributed.checkpoint)."""
+class SaveError(OSError):
+    """A sharded save failed; raised on every rank, naming the rank(s) where it failed."""
+
+
+class _Writer(dcp.FileSystemWriter):
+    """DCP's file writer, calling `before_write` inside DCP's own write step (fault injection)."""
+
+    def __init__(self, path, before_write):
+        super().__init__(path)
+        self.before_write = before_write
+
+    def write_data(self, plan, planner):
+        self.before_write()
+        return super().write_data(plan, planner)
+
+
+def save_sharded(model, optimizer, path, before_write=None):
+    """Each rank writes its shards of model and optimizer state (torch.distributed.checkpoint).
+
+    DCP gathers every rank's write result, so a write that fails on one rank raises on all of them.
+    """
     model_sd, optim_sd = get_state_dict(model, optimizer)
+    writer = _Writer(path, before_write) if before_write else None
     try:
-        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=path)
+        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=path, storage_writer=writer)
     except dcp.api.CheckpointException as e:  # a BaseException: turn it into an ordinary, one-line error
-        first = next(iter(e.failures.values()), e)
+        bad = sorted(e.failures)
+        first = e.failures[bad[0]] if bad else e
         cause = first[0] if isinstance(first, tuple) else first
-        raise OSError(f"sharded save to {path} failed on rank(s) {sorted(e.failures)}: "
-                      f"{type(cause).__name__}: {str(cause).splitlines()[0] if str(cause) else ''}") from None
+        raise SaveError(f"rank {', '.join(map(str, bad))}: {type(cause).__name__}: "
+                        f"{str(cause).splitlines()[0] if str(cause) else ''}") from None
 
 
 def load_sharded(model, optimizer, path):

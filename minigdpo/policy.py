@@ -282,7 +282,7 @@ def build(path, device, compute_dtype, grad_checkpointing=False, frozen=False, o
     else:
         model.train()
     param_dtype = compute_dtype if compute_dtype != torch.float32 and not frozen else None
-    return dist.shard(model, decoder_layers(lm), device, param_dtype=param_dtype, offload=offload)
+    return dist.shard(model, decoder_layers(lm), param_dtype=param_dtype, offload=offload)
 
 
 def hf_state(model, dtype=None):

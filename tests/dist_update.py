@@ -1,6 +1,6 @@
 """One policy update on a fixed global batch, split over however many ranks run it.
 
-    torchrun --nproc_per_node 2 tests/dist_update.py OUT.pt
+    torchrun --nproc_per_node 2 tests/dist_update.py OUT.pt [AGG [SHARDING]]
 
 Rank 0 saves the full parameters and the loss statistics to OUT.pt; the test compares the
 1-rank and 2-rank results. The micro-batch size differs between the two runs on purpose.
@@ -19,8 +19,8 @@ from minigdpo import dist, policy  # noqa: E402
 from minigdpo.sampler import Completion  # noqa: E402
 
 
-def main(out, agg):
-    device = dist.init()
+def main(out, agg, sharding):
+    device = dist.init(sharding)
     torch.manual_seed(0)
     path = policy.resolve_model("tiny-random")
     model = policy.build(path, device, torch.float32)
@@ -50,9 +50,9 @@ def main(out, agg):
     stats = train.loss_metrics(totals)
     params = {name: t.clone() for name, t in policy.hf_state(model)}
     if dist.is_main():
-        torch.save({"params": params, "stats": stats}, out)
+        torch.save({"params": params, "stats": stats, "mesh": tuple(dist.mesh().shape)}, out)
     dist.cleanup()
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2] if len(sys.argv) > 2 else "token_mean")
+    main(sys.argv[1], sys.argv[2] if len(sys.argv) > 2 else "token_mean", sys.argv[3] if len(sys.argv) > 3 else "auto")

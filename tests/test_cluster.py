@@ -1,0 +1,235 @@
+"""The rules GPUs and clusters enforce, simulated on CPU: NCCL's device rule, a save failing on one
+rank, two nodes with and without a shared output directory, HSDP over 2 simulated nodes x 2 ranks,
+bf16 on 2 gloo ranks, and clean exits.
+
+Every multi-rank run here has a deadline: a hang is a failure, never a stuck test.
+
+Run: pytest tests/test_cluster.py   (about 4 minutes on 2 cores)
+"""
+
+import ast
+import glob
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from conftest import ROOT, free_port, read_jsonl, run
+from minigdpo import dist
+
+SMOKE = ["--preset", "smoke", "--rewards", "tests.helpers:digit_frac,tests.helpers:vowel_frac,format"]
+
+
+def launch(commands, timeout=120, env=None):
+    """Start every command at once (one per simulated node), wait for all, kill all at the deadline.
+
+    Returns [(returncode, stdout, stderr)] and the seconds the slowest took; a command still
+    running at the deadline fails the test with what it printed."""
+    full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "PYTHONPATH": ROOT, **(env or {})}
+    procs = [subprocess.Popen(cmd, cwd=cwd, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              start_new_session=True) for cmd, cwd in commands]
+    start, results = time.monotonic(), []
+    for p in procs:
+        try:
+            out, err = p.communicate(timeout=max(1.0, timeout - (time.monotonic() - start)))
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                os.killpg(q.pid, signal.SIGKILL)
+            out, err = p.communicate()
+            pytest.fail(f"hung past {timeout} s: {' '.join(p.args)}\n{out[-2000:]}\n{err[-3000:]}")
+        results.append((p.returncode, out, err))
+    return results, time.monotonic() - start
+
+
+def no_project_traceback(stderr):
+    """torchrun prints its own traceback when a rank exits non-zero; the ranks themselves must not."""
+    return f'File "{ROOT}' not in stderr
+
+
+def torchrun(nnodes, node_rank, nproc, port, args):
+    return [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(nnodes), "--node_rank", str(node_rank),
+            "--nproc_per_node", str(nproc), "--master_addr", "127.0.0.1", "--master_port", str(port)] + args
+
+
+def two_nodes(args, cwds, nproc=1):
+    port = free_port()
+    return [(torchrun(2, i, nproc, port, args), cwd) for i, cwd in enumerate(cwds)]
+
+
+def hf_weights(out, step):
+    return load_file(os.path.join(out, "checkpoints", f"step_{step:06d}", "hf", "model.safetensors"))
+
+
+# NCCL's device rule -------------------------------------------------------------------------------
+
+def project_files():
+    files = [os.path.join(ROOT, f) for f in ("train.py", "eval.py")]
+    for folder in ("minigdpo", "rewards", "benchmarks", "examples"):
+        files += glob.glob(os.path.join(ROOT, folder, "*.py"))
+    return files
+
+
+def test_only_dist_py_touches_torch_distributed():
+    """dist.py is the one door to collectives, so its placement rule covers the whole project."""
+    offenders = []
+    for path in project_files():
+        if path.endswith(os.path.join("minigdpo", "dist.py")):
+            continue
+        for node in ast.walk(ast.parse(open(path).read())):
+            names = []
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                names = [node.module or ""]
+            elif isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "torch":
+                names = [f"torch.{node.attr}"]
+            if any(n == "torch.distributed" or n.startswith("torch.distributed.") for n in names):
+                offenders.append(f"{os.path.relpath(path, ROOT)}:{node.lineno}")
+    assert not offenders, offenders
+
+
+def test_every_collective_puts_its_tensors_on_the_training_device():
+    (result,), _ = launch([(torchrun(1, 0, 2, free_port(), ["tests/nccl_rule.py"]), ROOT)], timeout=90)
+    rc, out, err = result
+    assert rc == 0, out + err[-3000:]
+    assert out.split() == ["all_gather:", "ok", "all_reduce:", "ok", "barrier:", "ok"]
+
+
+# A save that fails on one rank --------------------------------------------------------------------
+
+STEPS4 = ["train.py"] + SMOKE + ["--max-steps", "4", "--save-every", "1", "--keep-checkpoints", "5"]
+
+
+@pytest.mark.parametrize("fault,rank", [
+    ("enospc@2", "1"),        # rank 1's write fails while rank 0 is in its Hugging Face export
+    ("enospc@2", "0"),        # rank 0's export fails while rank 1 goes on to the sharded state
+    ("enospc_state@2", "1"),  # rank 1's shard of the sharded state cannot be written
+])
+def test_a_save_failing_on_one_rank_stops_every_rank_within_seconds(tmp_path, fault, rank):
+    out = str(tmp_path / "run")
+    (result,), seconds = launch([(torchrun(1, 0, 2, free_port(), STEPS4 + ["--output-dir", out]), ROOT)],
+                                env={"MINIGDPO_FAULT": fault, "MINIGDPO_FAULT_RANK": rank}, timeout=150)
+    rc, stdout, stderr = result
+    assert rc != 0 and seconds < 100
+    errors = [line for line in stderr.splitlines() if "could not write checkpoint" in line]
+    assert errors, stderr[-3000:]
+    assert f"rank {rank}" in errors[0] and "step_000002.partial" in errors[0] and "No space left" in errors[0]
+    assert no_project_traceback(stderr)
+    assert sorted(os.listdir(os.path.join(out, "checkpoints"))) == ["step_000001"]  # the previous one, intact
+    hf_weights(out, 1)
+    assert [r["step"] for r in read_jsonl(os.path.join(out, "metrics.jsonl"))] == [1, 2]
+
+
+def test_a_save_failing_on_one_rank_can_continue_on_every_rank(tmp_path):
+    out = str(tmp_path / "run")
+    (result,), _ = launch([(torchrun(1, 0, 2, free_port(), STEPS4 + ["--output-dir", out, "--on-save-error",
+                                                                       "continue"]), ROOT)],
+                          env={"MINIGDPO_FAULT": "enospc@2", "MINIGDPO_FAULT_RANK": "1"}, timeout=150)
+    assert result[0] == 0, result[2][-3000:]
+    assert sorted(os.listdir(os.path.join(out, "checkpoints"))) == ["step_000001", "step_000003", "step_000004"]
+
+
+# Two nodes ----------------------------------------------------------------------------------------
+
+def test_two_nodes_without_a_shared_output_dir_stop_before_any_weights_load(tmp_path):
+    cwds = [str(tmp_path / "node0"), str(tmp_path / "node1")]
+    for c in cwds:
+        os.makedirs(c)
+    args = [os.path.join(ROOT, "train.py")] + SMOKE + ["--output-dir", "run"]  # relative: each node's own disk
+    results, seconds = launch(two_nodes(args, cwds), timeout=120)
+    for rc, _, stderr in results:
+        assert rc != 0 and no_project_traceback(stderr), stderr[-3000:]
+    errors = [line for _, _, e in results for line in e.splitlines() if line.startswith("error:")]
+    assert errors and "is not the same directory on every node" in errors[0] and "rank 1" in errors[0], errors
+    for c in cwds:
+        assert not os.path.exists(os.path.join(c, "run", "checkpoints"))
+        assert not os.path.exists(os.path.join(c, "run", "metrics.jsonl"))
+
+
+def test_two_nodes_sharing_an_output_dir_train_save_kill_and_resume(tmp_path):
+    shared, clean = str(tmp_path / "shared"), str(tmp_path / "clean")
+    args = [os.path.join(ROOT, "train.py")] + STEPS4[1:]
+    cwds = [str(tmp_path), str(tmp_path)]
+    killed, _ = launch(two_nodes(args + ["--output-dir", shared], cwds), timeout=150,
+                       env={"MINIGDPO_FAULT": "mid_step@3", "MINIGDPO_FAULT_RANK": "1"})
+    assert all(rc != 0 for rc, _, _ in killed)
+    assert "step_000003" not in os.listdir(os.path.join(shared, "checkpoints"))
+    resumed, _ = launch(two_nodes(args + ["--output-dir", shared, "--resume"], cwds), timeout=150)
+    assert all(rc == 0 for rc, _, _ in resumed), resumed[1][2][-3000:]
+    assert "resumed from" in resumed[0][1] and "at step 2" in resumed[0][1] and "mesh=(2, 1)" in resumed[0][1]
+    uninterrupted, _ = launch(two_nodes(args + ["--output-dir", clean], cwds), timeout=150)
+    assert all(rc == 0 for rc, _, _ in uninterrupted)
+    a, b = hf_weights(shared, 4), hf_weights(clean, 4)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert [r["step"] for r in read_jsonl(os.path.join(shared, "metrics.jsonl"))] == [1, 2, 3, 4]
+
+
+# HSDP ---------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("sharding,world,local,shape", [
+    ("auto", 8, 8, (8,)), ("auto", 16, 8, (2, 8)), ("auto", 4, 2, (2, 2)), ("fsdp", 16, 8, (16,)),
+    ("hsdp", 16, 8, (2, 8)), ("hsdp", 8, 8, (1, 8)), ("auto", 1, 1, (1,)),
+])
+def test_mesh_shape_replicates_across_nodes_and_shards_within(sharding, world, local, shape):
+    assert dist.mesh_shape(sharding, world, local) == shape
+
+
+def test_hsdp_over_two_nodes_gives_the_same_update_as_the_flat_mesh(tmp_path):
+    outs = {}
+    for sharding in ("hsdp", "fsdp"):
+        out = str(tmp_path / f"{sharding}.pt")
+        results, _ = launch(two_nodes(["tests/dist_update.py", out, "token_mean", sharding], [ROOT, ROOT], nproc=2),
+                            timeout=180)
+        assert all(rc == 0 for rc, _, _ in results), results[0][2][-3000:] + results[1][2][-3000:]
+        outs[sharding] = torch.load(out)
+    assert outs["hsdp"]["mesh"] == (2, 2) and outs["fsdp"]["mesh"] == (4,)
+    a, b = outs["hsdp"]["params"], outs["fsdp"]["params"]
+    diff = max((a[k] - b[k]).abs().max().item() for k in a)
+    assert a.keys() == b.keys() and diff < 1e-5, diff
+    print(f"HSDP vs flat mesh, max |param difference| after one update: {diff:.2e}")
+
+
+# bf16, clean exits, CPU offload --------------------------------------------------------------------
+
+def test_bf16_on_two_ranks_trains_saves_and_resumes(tmp_path):
+    out = str(tmp_path / "run")
+    common = ["train.py"] + SMOKE + ["--dtype", "bf16", "--save-every", "1", "--output-dir", out]
+    run(common, nproc=2)
+    proc = run(common + ["--max-steps", "3", "--resume"], nproc=2)
+    assert "resumed from" in proc.stdout and "at step 2" in proc.stdout
+    rows = read_jsonl(os.path.join(out, "metrics.jsonl"))
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    assert all(r["grad_norm"] > 0 and r["loss"] == r["loss"] for r in rows)
+    assert all(t.dtype == torch.float32 for t in hf_weights(out, 3).values())  # fp32 master weights, exactly saved
+
+
+CLEANUP_CHECK = r"""
+import sys, torch.distributed, train
+try:
+    train.main(sys.argv[1:])
+except (SystemExit, Exception) as e:
+    sys.stdout.write(f"exited: {type(e).__name__}\n")
+sys.stdout.write(f"group alive: {torch.distributed.is_initialized()}\n")  # one write: ranks share the pipe
+"""
+
+
+@pytest.mark.parametrize("nproc,flags,fault", [
+    (2, ["--batch-size", "12"], None),           # a config error found once the world size is known
+    (1, ["--save-every", "1"], "enospc@1"),      # a failed save that stops the run
+])
+def test_error_exits_destroy_the_process_group(tmp_path, nproc, flags, fault):
+    script = tmp_path / "check.py"
+    script.write_text(CLEANUP_CHECK)
+    args = [str(script)] + SMOKE + ["--output-dir", str(tmp_path / "run")] + flags
+    proc = run(args, nproc=nproc, env={"PYTHONPATH": ROOT, **({"MINIGDPO_FAULT": fault} if fault else {})}, check=False)
+    assert proc.stdout.count("group alive: False") == nproc, proc.stdout + proc.stderr[:3000]
+
+
+def test_ref_offload_works_without_an_accelerator(tmp_path):
+    proc = run(["train.py"] + SMOKE + ["--ref-offload", "--output-dir", str(tmp_path / "run")], check=False)
+    assert proc.returncode == 0, proc.stderr[-2000:]
