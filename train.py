@@ -25,7 +25,8 @@ Launch:
   python train.py --preset smoke                             # tiny random model, seconds
   python train.py --preset a100 --estimator gdpo             # one 80 GB A100
   torchrun --nproc_per_node 8 train.py --estimator gdpo      # the paper's recipe on 8 GPUs
-  torchrun --nnodes 2 --nproc_per_node 8 --rdzv_endpoint HOST:29500 train.py --estimator gdpo
+  torchrun --nnodes 2 --nproc_per_node 8 --rdzv_endpoint HOST:29500 train.py --estimator gdpo --output-dir /shared/run
+                                                             # 2 nodes: HSDP, one shared output dir
   torchrun --nproc_per_node 2 train.py --preset smoke        # FSDP2 over 2 gloo ranks on CPU
 
 Shape legend: B prompts, G samples per prompt, R rewards, S = this rank's sequences, T tokens.

@@ -207,7 +207,8 @@ def _rng_state():
 
 def _explain(error, path):
     """One line for a failed write, saying so when the disk is full (some writers hide ENOSPC)."""
-    text = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
+    kind = "" if isinstance(error, dist.SaveError) else f"{type(error).__name__}: "  # a SaveError names its cause
+    text = f"{kind}{str(error).splitlines()[0] if str(error) else ''}"
     try:
         full = shutil.disk_usage(os.path.dirname(path)).free < 1024 * 1024
     except OSError:
@@ -221,8 +222,8 @@ def _attempt(fn, path):
     """Run one rank's part of a save phase; the error as one line, or ""."""
     try:
         fn()
-    except dist.SaveError as e:  # DCP's own verdict, the same on every rank, naming the failed rank(s)
-        return str(e)
+    except dist.SaveError as e:  # DCP's verdict, raised on every rank: the failed rank(s) report it
+        return _explain(e, path) if dist.rank() in e.ranks else ""
     except Exception as e:  # OSError for a full disk or a failed write
         return _explain(e, path)
     return ""
@@ -240,8 +241,7 @@ def _agree(error, tmp):
         if dist.is_main():
             shutil.rmtree(tmp, ignore_errors=True)
         r, e = bad[0]
-        where = e if e.startswith("rank ") else f"rank {r}: {e}"
-        raise CheckpointError(f"could not write checkpoint {tmp}: {where}")
+        raise CheckpointError(f"could not write checkpoint {tmp}: rank {r}: {e}")
 
 
 def save(output_dir, step, model, optimizer, sched, tokenizer, trainer_state, save_dtype, keep):

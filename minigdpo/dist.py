@@ -156,7 +156,7 @@ def full_tensor(t):
 
 
 class SaveError(OSError):
-    """A sharded save failed; raised on every rank, naming the rank(s) where it failed."""
+    """A sharded save failed; raised on every rank, with `ranks`, those where it failed."""
 
 
 class _Writer(dcp.FileSystemWriter):
@@ -184,8 +184,9 @@ def save_sharded(model, optimizer, path, before_write=None):
         bad = sorted(e.failures)
         first = e.failures[bad[0]] if bad else e
         cause = first[0] if isinstance(first, tuple) else first
-        raise SaveError(f"rank {', '.join(map(str, bad))}: {type(cause).__name__}: "
-                        f"{str(cause).splitlines()[0] if str(cause) else ''}") from None
+        error = SaveError(f"{type(cause).__name__}: {str(cause).splitlines()[0] if str(cause) else ''}")
+        error.ranks = bad
+        raise error from None
 
 
 def load_sharded(model, optimizer, path):
