@@ -194,6 +194,9 @@ def run_training(argv=None):
     task = data.load_task(cfg.task, cfg.data, "train", cfg.skip_bad_rows, cfg.arith_difficulty, extra)
     reward_names, conditions, weights, scorer = rewards_setup(cfg, task)
     resolve_kind(cfg.sampler)  # a missing vLLM or GPU is reported before any model loads
+    # Built-in models are built before the process group exists: with one, transformers saves on rank 0 only.
+    path = policy.resolve_model(cfg.model)
+    policy.check_context(path, cfg.max_prompt_len + cfg.max_new_tokens)  # still before any weights load
     try:
         device = dist.init(cfg.sharding)
     except ValueError as e:  # nodes with different numbers of ranks cannot form an HSDP mesh
@@ -207,8 +210,6 @@ def run_training(argv=None):
     torch.manual_seed(cfg.seed)
 
     # Models: the trained policy, its frozen reference, and the sampler's inference copy.
-    path = policy.resolve_model(cfg.model)
-    policy.check_context(path, cfg.max_prompt_len + cfg.max_new_tokens)  # still before any weights load
     tokenizer = policy.load_tokenizer(path)
     dtype = compute_dtype(cfg, device)
     model = policy.build(path, device, dtype, cfg.grad_checkpointing)

@@ -47,6 +47,8 @@ def _build_once(name, build):
     tmp = tempfile.mkdtemp(dir=cache_dir(), prefix=f".{name}.")
     try:
         build(tmp)
+        if not os.path.exists(os.path.join(tmp, "config.json")):  # e.g. a non-zero rank under a process group
+            raise RuntimeError(f"building {name} wrote no config.json into {tmp}")
         os.replace(tmp, target) if not os.path.exists(target) else None
     except OSError:
         if not os.path.exists(os.path.join(target, "config.json")):

@@ -20,9 +20,9 @@ from minigdpo.sampler import Completion  # noqa: E402
 
 
 def main(out, agg, sharding):
+    path = policy.resolve_model("tiny-random")  # before the group: transformers saves on rank 0 only with one
     device = dist.init(sharding)
     torch.manual_seed(0)
-    path = policy.resolve_model("tiny-random")
     model = policy.build(path, device, torch.float32)
     ref = policy.build(path, device, torch.float32, frozen=True)
     opt = policy.optimizer(model, 1e-3, 0.0)

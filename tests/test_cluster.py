@@ -199,8 +199,9 @@ def test_hsdp_over_two_nodes_gives_the_same_update_as_the_flat_mesh(tmp_path):
 def test_bf16_on_two_ranks_trains_saves_and_resumes(tmp_path):
     out = str(tmp_path / "run")
     common = ["train.py"] + SMOKE + ["--dtype", "bf16", "--save-every", "1", "--output-dir", out]
-    run(common, nproc=2)
-    proc = run(common + ["--max-steps", "3", "--resume"], nproc=2)
+    fresh = {"MINIGDPO_CACHE": str(tmp_path / "cache")}  # both ranks build the tiny model at once
+    run(common, nproc=2, env=fresh)
+    proc = run(common + ["--max-steps", "3", "--resume"], nproc=2, env=fresh)
     assert "resumed from" in proc.stdout and "at step 2" in proc.stdout
     rows = read_jsonl(os.path.join(out, "metrics.jsonl"))
     assert [r["step"] for r in rows] == [1, 2, 3]
