@@ -287,7 +287,6 @@ def run_training(argv=None):
         t_update = time.perf_counter() - t0
         update_tokens = model_tokens(batches, shared=not cfg.grad_checkpointing)
         update_tokens = dist.all_reduce(torch.tensor([update_tokens], dtype=torch.float64, device=device)).item()
-        checkpoint.inject_fault("mid_step", step)  # reliability tests: a kill between the update and the save
 
         # 7. The sampler gets the new weights, streamed one tensor at a time.
         t0 = time.perf_counter()

@@ -63,7 +63,7 @@ def check_shared(output_dir):
 
     Checkpoints need one shared filesystem: DCP puts each rank's shards in one folder, rank 0 writes
     its metadata and the Hugging Face export, and resume must find them all. Rank 0 writes a nonce
-    that every rank reads back after a barrier.
+    that every rank then reads back.
     """
     if dist.world_size() == 1:
         return
@@ -79,12 +79,13 @@ def check_shared(output_dir):
             error = f"{type(e).__name__}: {e}"
     error = dist.broadcast_object(error)
     seen = False
-    if not error:
+    for _ in range(10 if not error else 0):  # a network filesystem may show a new file a moment late
         try:
             with open(nonce) as f:
                 seen = f.read() == nonce
+            break
         except OSError:
-            pass
+            time.sleep(0.5)
     views = dist.all_gather_object((seen, socket.gethostname()))
     if dist.is_main():
         with contextlib.suppress(OSError):
@@ -94,7 +95,7 @@ def check_shared(output_dir):
     blind = [f"rank {r} on {host}" for r, (ok, host) in enumerate(views) if not ok]
     if blind:
         raise ConfigError(f"--output-dir {output_dir} is not the same directory on every node ({', '.join(blind)} "
-                             "cannot see what rank 0 wrote there): put it on a filesystem every node shares")
+                          "cannot see what rank 0 wrote there): put it on a filesystem every node shares")
 
 
 def latest(output_dir):
@@ -247,6 +248,7 @@ def _agree(error, tmp):
 def save(output_dir, step, model, optimizer, sched, tokenizer, trainer_state, save_dtype, keep):
     """Write checkpoint `step` atomically on all ranks; raise CheckpointError on every rank on failure,
     within one phase of the failure, leaving the previous checkpoint untouched."""
+    inject_fault("before_save", step)  # a kill between the update and the save
     final = os.path.join(root(output_dir), f"step_{step:06d}")
     tmp = final + ".partial"
 

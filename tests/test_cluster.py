@@ -156,7 +156,7 @@ def test_two_nodes_sharing_an_output_dir_train_save_kill_and_resume(tmp_path):
     args = [os.path.join(ROOT, "train.py")] + STEPS4[1:]
     cwds = [str(tmp_path), str(tmp_path)]
     killed, _ = launch(two_nodes(args + ["--output-dir", shared], cwds), timeout=150,
-                       env={"MINIGDPO_FAULT": "mid_step@3", "MINIGDPO_FAULT_RANK": "1"})
+                       env={"MINIGDPO_FAULT": "before_save@3", "MINIGDPO_FAULT_RANK": "1"})
     assert all(rc != 0 for rc, _, _ in killed)
     assert "step_000003" not in os.listdir(os.path.join(shared, "checkpoints"))
     resumed, _ = launch(two_nodes(args + ["--output-dir", shared, "--resume"], cwds), timeout=150)

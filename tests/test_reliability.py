@@ -46,10 +46,10 @@ def uninterrupted(tmp_path_factory):
 
 
 @pytest.mark.parametrize("nproc,fault,rank", [
-    (1, "mid_step@3", "0"),          # killed between the update and the save of step 3
+    (1, "before_save@3", "0"),          # killed between the update and the save of step 3
     (1, "after_hf@2", "0"),          # killed inside a checkpoint write: weights written, state not
     (1, "before_rename@3", "0"),     # killed with a complete but unrenamed checkpoint
-    (2, "mid_step@3", "1"),          # rank 1 dies; torchrun takes rank 0 down with it
+    (2, "before_save@3", "1"),          # rank 1 dies; torchrun takes rank 0 down with it
     (2, "after_state@2", "0"),       # rank 0 dies after the sharded state, before COMPLETE
 ])
 def test_kill_then_resume_reaches_the_uninterrupted_weights(tmp_path, uninterrupted, nproc, fault, rank):
