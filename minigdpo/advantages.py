@@ -92,7 +92,7 @@ def grpo_no_std(rewards, weights=None, eps=EPS):
     return group_zscore(s, eps, scale=False)                         # (B, G)
 
 
-def gdpo(rewards, weights=None, eps=EPS):
+def gdpo(rewards, weights=None, eps=EPS, single_reward_grpo=True):
     """GDPO: normalise each reward within its group, sum, then normalise over the batch.
 
         A_k,i  = (r_k,i - mean_g(r_k)) / (std_g(r_k) + eps)          Eq. 4, per reward k
@@ -101,7 +101,13 @@ def gdpo(rewards, weights=None, eps=EPS):
 
     The batch step counts every sample that has at least one applicable reward; a
     sample whose rewards are all NaN gets 0 and stays out of the batch statistics.
+
+    With a single reward (R = 1) this is `grpo`, as in the released TRL code, which applies
+    GDPO only `if apply_gdpo and len(reward_weights) > 1`. single_reward_grpo=False keeps
+    the batch step for R = 1, which rescales every advantage by one batch-wide factor.
     """
+    if single_reward_grpo and rewards.shape[-1] == 1:
+        return grpo(rewards, weights, eps)                           # (B, G)
     w = _weights(rewards, weights)                                   # (R,)
     a_k = group_zscore(rewards, eps)                                 # (B, G, R)  Eq. 4
     a_sum = (a_k * w).sum(dim=-1)                                    # (B, G)     Eq. 5, 7
@@ -163,8 +169,10 @@ def grpo_no_std_naive(rewards, weights=None, eps=EPS):
 
 
 def gdpo_naive(rewards, weights=None, eps=EPS):
-    """Loop-over-groups GDPO: Eq. 4 per reward, Eq. 5/7 sum, Eq. 6 over the batch."""
+    """Loop-over-groups GDPO: Eq. 4 per reward, Eq. 5/7 sum, Eq. 6 over the batch (GRPO for one reward)."""
     R = len(rewards[0][0])
+    if R == 1:
+        return grpo_naive(rewards, weights, eps)
     weights = [1.0] * R if weights is None else list(weights)
     summed, applies = [], []
     for group in rewards:
