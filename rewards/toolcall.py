@@ -8,11 +8,11 @@ The example's `ground_truth` is the target text: a think block, then a tool_call
     {"name": "GetNews", "parameters": {"page": "1"}}
     </tool_call>
 
-| reward             | range   | value                                                          |
-|--------------------|---------|----------------------------------------------------------------|
-| tool_format        | {0, 1}  | 1 if the stripped completion has the ground truth's blocks, in order, as ToolRL checks it |
-| tool_format_strict | {0, 1}  | the same blocks, each exactly once (think too), unstripped     |
-| tool_correct       | [-3, 3] | how well the predicted tool calls match the ground truth's      |
+| reward             | range   | value                                                               |
+|--------------------|---------|---------------------------------------------------------------------|
+| tool_format        | {0, 1}  | 1 if the stripped completion has the ground truth's blocks, in order |
+| tool_format_strict | {0, 1}  | the same blocks, each exactly once (think too), unstripped          |
+| tool_correct       | [-3, 3] | how well the predicted tool calls match the ground truth's           |
 
 tool_format reproduces the format reward of ToolRL's released code, which the paper's
 tool-calling runs use unchanged (qiancheng0/ToolRL and NVlabs/GDPO verl-GDPO, both in
