@@ -267,8 +267,9 @@ def run_training(argv=None):
 
         # 4. Advantages over the global batch (GDPO's batch step must see every rank's groups).
         rewards = dist.all_gather(local.to(device)).view(B, G, R).double()    # (B, G, R)
+        lengths = dist.all_gather(torch.tensor([len(c.token_ids) for c in completions], device=device)).float()  # (B*G,)
         shaped = apply_conditions(rewards, reward_names, conditions)         # (B, G, R) Eq. 8
-        adv_all = ESTIMATORS[cfg.estimator](shaped, weights.to(device))       # (B, G)
+        adv_all = ESTIMATORS[cfg.estimator](shaped, weights.to(device), lengths=lengths.view(B, G))  # (B, G)
         adv = adv_all[rank * derived.prompts_per_rank:(rank + 1) * derived.prompts_per_rank].reshape(-1).float().cpu()
 
         # 5. Reference (and old) log-probs, one no-grad pass in micro-batches.
@@ -294,7 +295,6 @@ def run_training(argv=None):
         t_sync = time.perf_counter() - t0
 
         # 8. Log and checkpoint.
-        lengths = dist.all_gather(torch.tensor([len(c.token_ids) for c in completions], device=device)).float()
         truncated = dist.all_gather(torch.tensor([c.finish_reason == "length" for c in completions], device=device))
         gen_tokens = lengths.sum().item()
         m = metrics.reward_metrics(rewards.cpu(), reward_names, metrics.sum_counts(dist.all_gather_object(counts)))

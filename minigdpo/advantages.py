@@ -1,18 +1,23 @@
-"""Advantage estimators: GRPO, GRPO without std, and GDPO (arXiv 2601.05242).
+"""Advantage estimators: GRPO, GRPO without std, GDPO (arXiv 2601.05242), and the GDPO
+variants of verl and NeMo-RL.
 
 Every estimator is a pure function with one signature:
 
-    advantages = estimator(rewards, weights)      # rewards (B, G, R), weights (R,) -> (B, G)
+    advantages = estimator(rewards, weights, lengths=None)   # rewards (B, G, R), weights (R,) -> (B, G)
 
 Shape legend: B prompts, G samples per prompt (the group), R reward functions.
+`lengths` (B, G) gives each completion's length in tokens; only `gdpo_verl` reads it
+(its batch step weighs each sample by its tokens), the others ignore it.
 
-Rules shared by all three (they match the paper's released TRL code, NVlabs/GDPO
-trl-0.18.0-gdpo/trl/trainer/grpo_trainer.py, on NaN-free input):
+Rules shared by grpo, grpo_no_std and gdpo (they match the paper's released TRL code,
+NVlabs/GDPO trl-0.18.0-gdpo/trl/trainer/grpo_trainer.py, on NaN-free input):
 - every std is the unbiased (Bessel) one, as `torch.std` computes it;
 - every normalisation divides by (std + 1e-4);
 - `weights` multiply the rewards (GRPO) or the per-reward advantages (GDPO, Eq. 7);
 - the batch step of GDPO runs over the whole global batch, so multi-rank callers
   all-gather the rewards first.
+gdpo_verl and gdpo_nemo reproduce the other released GDPOs; their docstrings say where
+they depart from these rules.
 
 NaN marks a reward that does not apply to a sample. It is left out of its group's
 statistics and contributes 0 to that sample's advantage. A group in which a reward is
@@ -29,7 +34,10 @@ from dataclasses import dataclass
 
 import torch
 
-EPS = 1e-4  # added to every std, as in the released code
+EPS = 1e-4         # added to every std, as in the released TRL code
+VERL_EPS = 1e-6    # verl's GRPO group step: std + 1e-6 (verl/trainer/ppo/core_algos.py)
+WHITEN_EPS = 1e-8  # verl's masked_whiten: rsqrt(var + 1e-8) (verl/utils/torch_functional.py)
+NEMO_EPS = 1e-6    # NeMo-RL's per-reward step: std + 1e-6 (nemo_rl/algorithms/advantage_estimator.py)
 
 
 def _weights(rewards, weights):
@@ -70,7 +78,7 @@ def _weighted_sum(rewards, weights):
     return torch.where(torch.isnan(rewards).all(dim=-1), math.nan, s)
 
 
-def grpo(rewards, weights=None, eps=EPS):
+def grpo(rewards, weights=None, eps=EPS, lengths=None):
     """GRPO on the summed reward (the paper's baseline, Sec. 2).
 
         s_i = sum_k w_k r_k,i
@@ -83,7 +91,7 @@ def grpo(rewards, weights=None, eps=EPS):
     return group_zscore(s, eps)                                      # (B, G)
 
 
-def grpo_no_std(rewards, weights=None, eps=EPS):
+def grpo_no_std(rewards, weights=None, eps=EPS, lengths=None):
     """GRPO without the std division: the paper's "GRPO w/o std" ablation.
 
         A_i = s_i - mean_g(s),   s_i = sum_k w_k r_k,i
@@ -92,7 +100,7 @@ def grpo_no_std(rewards, weights=None, eps=EPS):
     return group_zscore(s, eps, scale=False)                         # (B, G)
 
 
-def gdpo(rewards, weights=None, eps=EPS):
+def gdpo(rewards, weights=None, eps=EPS, lengths=None, single_reward_grpo=True):
     """GDPO: normalise each reward within its group, sum, then normalise over the batch.
 
         A_k,i  = (r_k,i - mean_g(r_k)) / (std_g(r_k) + eps)          Eq. 4, per reward k
@@ -101,7 +109,13 @@ def gdpo(rewards, weights=None, eps=EPS):
 
     The batch step counts every sample that has at least one applicable reward; a
     sample whose rewards are all NaN gets 0 and stays out of the batch statistics.
+
+    With a single reward (R = 1) this is `grpo`, as in the released TRL code, which applies
+    GDPO only `if apply_gdpo and len(reward_weights) > 1`. single_reward_grpo=False keeps
+    the batch step for R = 1, which rescales every advantage by one batch-wide factor.
     """
+    if single_reward_grpo and rewards.shape[-1] == 1:
+        return grpo(rewards, weights, eps)                           # (B, G)
     w = _weights(rewards, weights)                                   # (R,)
     a_k = group_zscore(rewards, eps)                                 # (B, G, R)  Eq. 4
     a_sum = (a_k * w).sum(dim=-1)                                    # (B, G)     Eq. 5, 7
@@ -113,7 +127,109 @@ def gdpo(rewards, weights=None, eps=EPS):
     return torch.where(has_reward, a, 0.0)
 
 
-ESTIMATORS = {"grpo": grpo, "grpo_no_std": grpo_no_std, "gdpo": gdpo}
+def gdpo_verl(rewards, weights=None, eps=VERL_EPS, lengths=None):
+    """GDPO as verl-GDPO computes it: eps 1e-6, then a token-weighted whitening of the batch.
+
+        A_k,i   = (r_k,i - mean_g(r_k)) / (std_g(r_k) + eps)     group step, eps = 1e-6
+        A_sum,i = sum_k w_k A_k,i
+        N       = sum_i L_i                                       response tokens in the batch
+        mu      = sum_i L_i A_sum,i / N                           token-weighted mean
+        var     = sum_i L_i (A_sum,i - mu)^2 / (N - 1)            token-weighted, Bessel over N tokens
+        A_i     = (A_sum,i - mu) / sqrt(var + 1e-8)
+
+    L_i is completion i's length in tokens (`lengths`, (B, G); without it every sample counts
+    as one token). verl copies each sample's advantage onto its response tokens and whitens
+    that (B*G, T) grid under the response mask, so a long completion weighs L_i times.
+
+    Reproduces `adv_estimator=gdpo` of NVlabs/GDPO verl-GDPO: compute_advantage in
+    verl/trainer/ppo/ray_trainer.py, which runs core_algos.compute_grpo_outcome_advantage on
+    each reward and verl.utils.torch_functional.masked_whiten on their sum. (Upstream
+    volcengine/verl has no gdpo estimator as of January 2026.) Departures, none of which
+    changes a trained run: verl-GDPO sums exactly two rewards unweighted, here any R with
+    weights (default 1); NaN rewards follow this module's rules (a sample with no reward
+    gets L_i = 0); a completion of 0 tokens gets 0, as verl's mask gives it; with fewer
+    than 2 tokens in the batch verl raises and this returns 0.
+    """
+    w = _weights(rewards, weights)                                   # (R,)
+    a_sum = (group_zscore(rewards, eps) * w).sum(dim=-1)             # (B, G)
+    L = torch.ones_like(a_sum) if lengths is None else torch.as_tensor(lengths, device=a_sum.device).to(a_sum)  # (B, G)
+    if L.shape != a_sum.shape:
+        raise ValueError(f"lengths has shape {tuple(L.shape)}, expected {tuple(a_sum.shape)}")
+    L = torch.where(torch.isnan(rewards).all(dim=-1), 0.0, L)        # (B, G) a sample with no reward has no weight
+    n = L.sum()                                                      # ()
+    if n < 2:
+        return torch.zeros_like(a_sum)
+    mu = (L * a_sum).sum() / n                                       # ()
+    var = (L * (a_sum - mu).pow(2)).sum() / (n - 1)                  # () Bessel over tokens
+    a = (a_sum - mu) * torch.rsqrt(var + WHITEN_EPS)                 # (B, G)
+    return torch.where(L > 0, a, 0.0)
+
+
+def leave_one_out_zscore(x, eps=NEMO_EPS):
+    """Each sample against the other samples of its group, as NeMo-RL scores them.
+
+        b_i = mean_{j != i} x_j,   s_i = std_{j != i} x_j  (Bessel over the G-1 others)
+        z_i = (x_i - b_i) / (s_i + eps)   if s_i > 0,   else  x_i - b_i  (kept unscaled)
+
+    x: (B, G) or (B, G, R); the others are the non-NaN samples of the group. NaN entries,
+    and groups with fewer than two values, give 0. s_i = 0 means the others are all equal
+    (always so when there is only one); that is tested exactly, so rounding cannot turn
+    a zero spread into a tiny divisor.
+    """
+    valid = ~torch.isnan(x)                                          # (B, G, ...)
+    n = valid.sum(dim=1, keepdim=True).to(x.dtype)                   # (B, 1, ...) counts as floats: no int promotion
+    m = (n - 1).clamp(min=1)                                         # (B, 1, ...) others per sample
+    x0 = torch.where(valid, x, 0.0)                                  # (B, G, ...)
+    total = x0.sum(dim=1, keepdim=True)                              # (B, 1, ...)
+    base = (total - x0) / m                                          # (B, G, ...) leave-one-out mean
+    dev = torch.where(valid, x - total / n.clamp(min=1), 0.0)        # (B, G, ...) about the full mean
+    # Sum of squares of the others about their own mean: Q - d_i^2 n / (n - 1).
+    q_others = (dev.pow(2).sum(dim=1, keepdim=True) - dev.pow(2) * n / m).clamp(min=0)  # (B, G, ...)
+    std = (q_others / (m - 1).clamp(min=1)).sqrt()                   # (B, G, ...)
+    # The others are all equal exactly when all of them sit at the group's max, or all at its min.
+    hi = torch.where(valid, x, -math.inf).amax(dim=1, keepdim=True)  # (B, 1, ...)
+    lo = torch.where(valid, x, math.inf).amin(dim=1, keepdim=True)   # (B, 1, ...)
+    at_hi, at_lo = (valid & (x == hi)).to(x.dtype), (valid & (x == lo)).to(x.dtype)  # (B, G, ...)
+    spread = (at_hi.sum(1, keepdim=True) - at_hi < m) & (at_lo.sum(1, keepdim=True) - at_lo < m)  # (B, G, ...)
+    z = torch.where(spread, (x - base) / (std + eps), x - base)      # (B, G, ...)
+    return torch.where(valid & (n >= 2), z, 0.0)
+
+
+def gdpo_nemo(rewards, weights=None, eps=NEMO_EPS, lengths=None, leave_one_out=True):
+    """GDPO as NeMo-RL computes it: leave-one-out baselines, then a plain batch z-score.
+
+        A_k,i   = (r_k,i - b_k,i) / (s_k,i + eps)   if s_k,i > 0, else r_k,i - b_k,i
+                  b, s: mean and Bessel std of the *other* samples of i's group, eps = 1e-6
+        A_sum,i = sum_k w_k A_k,i
+        A_i     = (A_sum,i - mean_batch) / std_batch    if std_batch > 0 (Bessel, no eps)
+                = A_sum,i - mean_batch                  otherwise
+
+    Reproduces GDPOAdvantageEstimator in NVIDIA-NeMo/RL nemo_rl/algorithms/advantage_estimator.py,
+    with its default use_leave_one_out_baseline=True and normalize_rewards=True; the
+    per-prompt statistics are calculate_baseline_and_std_per_prompt in nemo_rl/algorithms/utils.py.
+    leave_one_out=False uses the whole group for b and s (then a constant reward gives 0).
+    Unlike GDPO's other normalisations, a sample whose others all agree keeps its raw
+    difference r - b: with G = 2 nothing is ever scaled. Like NeMo-RL it refuses a single
+    reward. Departures: NeMo-RL orders `weights` by reward name, here they follow the
+    rewards' order; it computes the spread as E[x^2] - E[x]^2, which can round a zero to a
+    tiny positive number, here a zero spread is detected exactly; NaN rewards follow this
+    module's rules (a sample with no reward gets 0 and stays out of the batch statistics).
+    """
+    if rewards.shape[-1] < 2:
+        raise ValueError("gdpo_nemo needs two or more rewards, as NeMo-RL's GDPO estimator does; use grpo for one")
+    w = _weights(rewards, weights)                                   # (R,)
+    per_reward = leave_one_out_zscore(rewards, eps) if leave_one_out else group_zscore(rewards, eps)  # (B, G, R)
+    a_sum = (per_reward * w).sum(dim=-1)                             # (B, G)
+    has_reward = ~torch.isnan(rewards).all(dim=-1)                   # (B, G)
+    flat = a_sum[has_reward]                                         # (M,)
+    if flat.numel() < 2:
+        return torch.zeros_like(a_sum)
+    std = flat.std()                                                 # () Bessel
+    a = (a_sum - flat.mean()) / std if std > 0 else a_sum - flat.mean()  # (B, G)
+    return torch.where(has_reward, a, 0.0)
+
+
+ESTIMATORS = {"grpo": grpo, "grpo_no_std": grpo_no_std, "gdpo": gdpo, "gdpo_verl": gdpo_verl, "gdpo_nemo": gdpo_nemo}
 
 
 # Naive references: one group at a time, in plain Python floats. Tests use them as the
@@ -152,19 +268,21 @@ def _naive_sums(rewards, weights):
     return out
 
 
-def grpo_naive(rewards, weights=None, eps=EPS):
+def grpo_naive(rewards, weights=None, eps=EPS, lengths=None):
     """Loop-over-groups GRPO; rewards is a nested list (B, G, R) of floats."""
     return [_zscore_list(sums, eps) for sums in _naive_sums(rewards, weights)]
 
 
-def grpo_no_std_naive(rewards, weights=None, eps=EPS):
+def grpo_no_std_naive(rewards, weights=None, eps=EPS, lengths=None):
     """Loop-over-groups GRPO w/o std."""
     return [_zscore_list(sums, eps, scale=False) for sums in _naive_sums(rewards, weights)]
 
 
-def gdpo_naive(rewards, weights=None, eps=EPS):
-    """Loop-over-groups GDPO: Eq. 4 per reward, Eq. 5/7 sum, Eq. 6 over the batch."""
+def gdpo_naive(rewards, weights=None, eps=EPS, lengths=None):
+    """Loop-over-groups GDPO: Eq. 4 per reward, Eq. 5/7 sum, Eq. 6 over the batch (GRPO for one reward)."""
     R = len(rewards[0][0])
+    if R == 1:
+        return grpo_naive(rewards, weights, eps)
     weights = [1.0] * R if weights is None else list(weights)
     summed, applies = [], []
     for group in rewards:
@@ -178,7 +296,53 @@ def gdpo_naive(rewards, weights=None, eps=EPS):
     return [[(a - mean) / (std + eps) if o else 0.0 for a, o in zip(g, ok)] for g, ok in zip(summed, applies)]
 
 
-NAIVE = {"grpo": grpo_naive, "grpo_no_std": grpo_no_std_naive, "gdpo": gdpo_naive}
+def gdpo_verl_naive(rewards, weights=None, eps=VERL_EPS, lengths=None):
+    """Loop-over-groups verl GDPO: group z-scores, then whiten a flat list of every response token."""
+    R = len(rewards[0][0])
+    weights = [1.0] * R if weights is None else list(weights)
+    lengths = [[1] * len(g) for g in rewards] if lengths is None else lengths
+    summed = []
+    for group in rewards:
+        per_reward = [_zscore_list([_nan_to_none(s[k]) for s in group], eps) for k in range(R)]
+        summed.append([sum(weights[k] * per_reward[k][i] for k in range(R)) for i in range(len(group))])
+    counts = [[int(n) if not all(math.isnan(r) for r in s) else 0 for n, s in zip(ls, g)]
+              for ls, g in zip(lengths, rewards)]
+    tokens = [a for g, ns in zip(summed, counts) for a, n in zip(g, ns) for _ in range(n)]
+    if len(tokens) < 2:
+        return [[0.0] * len(g) for g in summed]
+    mean, std = _mean_std(tokens)
+    return [[(a - mean) / math.sqrt(std**2 + WHITEN_EPS) if n else 0.0 for a, n in zip(g, ns)]
+            for g, ns in zip(summed, counts)]
+
+
+def gdpo_nemo_naive(rewards, weights=None, eps=NEMO_EPS, lengths=None, leave_one_out=True):
+    """Loop-over-samples NeMo-RL GDPO: each sample's baseline and std from the others of its group."""
+    R = len(rewards[0][0])
+    weights = [1.0] * R if weights is None else list(weights)
+    summed, applies = [], []
+    for group in rewards:
+        adv = [0.0] * len(group)
+        for k in range(R):
+            values = [_nan_to_none(s[k]) for s in group]
+            present = [v for v in values if v is not None]
+            for i, v in enumerate(values):
+                if v is None or len(present) < 2:
+                    continue
+                others = [u for j, u in enumerate(values) if u is not None and (j != i or not leave_one_out)]
+                b, s = _mean_std(others)
+                adv[i] += weights[k] * ((v - b) / (s + eps) if max(others) > min(others) else v - b)
+        summed.append(adv)
+        applies.append([not all(math.isnan(r) for r in s) for s in group])
+    batch = [a for g, ok in zip(summed, applies) for a, o in zip(g, ok) if o]
+    if len(batch) < 2:
+        return [[0.0] * len(g) for g in summed]
+    mean, std = _mean_std(batch)
+    return [[((a - mean) / std if std > 0 else a - mean) if o else 0.0 for a, o in zip(g, ok)]
+            for g, ok in zip(summed, applies)]
+
+
+NAIVE = {"grpo": grpo_naive, "grpo_no_std": grpo_no_std_naive, "gdpo": gdpo_naive,
+         "gdpo_verl": gdpo_verl_naive, "gdpo_nemo": gdpo_nemo_naive}
 
 
 # Conditioned rewards (Eq. 8): r_k counts only where another reward r_l passes a threshold.

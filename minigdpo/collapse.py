@@ -4,7 +4,7 @@ Reproduces the paper's Figure 3. For binary rewards, a group of G samples with R
 is a G x R matrix of 0/1. We enumerate every such group, run the real estimator from
 `minigdpo.advantages` on all of them at once, and count the distinct advantage vectors.
 
-    python -m minigdpo.collapse                  # the table: G = 2..16 (R=2), R = 2..8 (G=4)
+    python -m minigdpo.collapse                  # the table, every estimator: G = 2..16 (R=2), R = 2..8 (G=4)
     python -m minigdpo.collapse --plot out.png   # and the figure (needs matplotlib)
 
 Counting rules:
@@ -14,8 +14,11 @@ Counting rules:
   permuted. We enumerate multisets of rows (2^R kinds, G of them) or of columns
   (2^G kinds, R of them), whichever is fewer, never ordered tuples.
 - The estimators run in float64 with eps = 0 so that the count reflects the formula, not
-  the 1e-4 guard. GDPO's batch step (Eq. 6) is one affine map shared by every group, so it
-  neither merges nor splits advantage groups (the paper's Figure 2 omits it for the same reason).
+  the 1e-4 (or 1e-6) guard. GDPO's batch step (Eq. 6), and the batch steps of gdpo_verl
+  (every completion one token long here) and gdpo_nemo, are one affine map shared by every
+  group, so they neither merge nor split advantage groups (the paper's Figure 2 omits the
+  batch step for the same reason). What separates the GDPO variants is the group step:
+  gdpo_nemo's leave-one-out baselines give each sample its own scale.
 
 Shape legend: M enumerated groups, G samples, R rewards.
 """
@@ -51,13 +54,17 @@ def distinct_rows(advantages, decimals=DECIMALS):
     return torch.unique(keys, dim=0).shape[0]
 
 
-def count_distinct(estimator, group_size, num_rewards):
-    """Distinct advantage groups that `estimator` gives over all binary reward outcomes."""
+def count_all(group_size, num_rewards, estimators=tuple(ESTIMATORS)):
+    """{estimator: distinct advantage groups over all binary reward outcomes}, enumerating once."""
     if group_size < 2 or num_rewards < 1:
         raise ValueError("group_size must be >= 2 and num_rewards >= 1")
     groups = enumerate_groups(group_size, num_rewards)            # (M, G, R)
-    advantages = ESTIMATORS[estimator](groups, None, eps=0.0)      # (M, G)
-    return distinct_rows(advantages)
+    return {name: distinct_rows(ESTIMATORS[name](groups, None, eps=0.0)) for name in estimators}  # (M, G) each
+
+
+def count_distinct(estimator, group_size, num_rewards):
+    """Distinct advantage groups that `estimator` gives over all binary reward outcomes."""
+    return count_all(group_size, num_rewards, (estimator,))[estimator]
 
 
 def distinct_per_group(advantages, decimals=4):
@@ -70,9 +77,9 @@ def table(group_sizes=range(2, 17), reward_counts=range(2, 9), fixed_rewards=2, 
     """Rows of (axis, value, {estimator: count}) for both sweeps of Figure 3."""
     rows = []
     for G in group_sizes:
-        rows.append(("G", G, {name: count_distinct(name, G, fixed_rewards) for name in ESTIMATORS}))
+        rows.append(("G", G, count_all(G, fixed_rewards)))
     for R in reward_counts:
-        rows.append(("R", R, {name: count_distinct(name, fixed_group, R) for name in ESTIMATORS}))
+        rows.append(("R", R, count_all(fixed_group, R)))
     return rows
 
 
@@ -97,7 +104,7 @@ def plot(rows, path):
     fig, axes = plt.subplots(1, 2, figsize=(10, 4))
     for ax, axis, xlabel in ((axes[0], "G", "group size G (R = 2 rewards)"), (axes[1], "R", "number of rewards R (G = 4)")):
         xs = [v for a, v, _ in rows if a == axis]
-        for name, marker in zip(ESTIMATORS, "o^s"):
+        for name, marker in zip(ESTIMATORS, "o^sDv"):
             ax.plot(xs, [c[name] for a, _, c in rows if a == axis], marker=marker, label=name)
         ax.set_xlabel(xlabel)
         ax.set_ylabel("distinct advantage groups")

@@ -34,7 +34,8 @@ class Config:
     condition: list = field(default_factory=list)
     """Conditioned rewards (paper Eq. 8), e.g. length_ok:correct>=1. Repeat the flag or separate with commas."""
     estimator: str = "gdpo"
-    """Advantage estimator: gdpo, grpo or grpo_no_std."""
+    """Advantage estimator: gdpo (the paper's TRL code), grpo, grpo_no_std, gdpo_verl (verl-GDPO's
+    token-weighted batch step) or gdpo_nemo (NeMo-RL's leave-one-out baselines). See README, Estimators."""
 
     # Batch shape
     group_size: int = 16
@@ -155,7 +156,7 @@ PRESETS = {
 }
 
 CHOICES = {
-    "estimator": ("gdpo", "grpo", "grpo_no_std"),
+    "estimator": ("gdpo", "grpo", "grpo_no_std", "gdpo_verl", "gdpo_nemo"),
     "task": ("gsm8k", "arith", "toolcall", "math_length", "code"),
     "lr_schedule": ("cosine", "constant"),
     "loss_agg": ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"),

@@ -8,10 +8,22 @@ The example's `ground_truth` is the target text: a think block, then a tool_call
     {"name": "GetNews", "parameters": {"page": "1"}}
     </tool_call>
 
-| reward       | range   | value                                                                |
-|--------------|---------|----------------------------------------------------------------------|
-| tool_format  | {0, 1}  | 1 if the completion has exactly the ground truth's blocks, in order   |
-| tool_correct | [-3, 3] | how well the predicted tool calls match the ground truth's            |
+| reward             | range   | value                                                               |
+|--------------------|---------|---------------------------------------------------------------------|
+| tool_format        | {0, 1}  | 1 if the stripped completion has the ground truth's blocks, in order |
+| tool_format_strict | {0, 1}  | the same blocks, each exactly once (think too), unstripped          |
+| tool_correct       | [-3, 3] | how well the predicted tool calls match the ground truth's           |
+
+tool_format reproduces the format reward of ToolRL's released code, which the paper's
+tool-calling runs use unchanged (qiancheng0/ToolRL and NVlabs/GDPO verl-GDPO, both in
+verl/utils/reward_score/rlla.py). Their compute_score strips surrounding whitespace first;
+the check then matches the block pattern and counts only the <tool_call> and <response> tags
+the ground truth has. It never counts <think>, so two think blocks, or a <think> inside the
+think text, still pass: the pattern's lazy `.*?` runs over the first `</think>`. As with any
+Python `$`, one final newline after the last block is allowed. (Their compute_score also cuts
+the decoded prompt+answer at the chat template's assistant marker; minigdpo scores the
+completion text alone, so there is nothing to cut.) tool_format_strict is minigdpo's older,
+stricter check: every block exactly once, <think> included, and no stripping.
 
 tool_correct is 0.0 when the ground truth makes no tool call, -3 when the completion's
 calls cannot be parsed, 3 for an exact match of the whole call list, and otherwise
@@ -46,14 +58,27 @@ def _blocks(ground_truth):
     return "<tool_call>" in ground_truth, "<response>" in ground_truth
 
 
+def _format_ok(text, ground_truth, count_think):
+    """1.0 if `text` has the ground truth's block layout and each counted tag once, else 0.0."""
+    has_call, has_response = _blocks(ground_truth)
+    tags = ["think"] * count_think + ["tool_call"] * has_call + ["response"] * has_response
+    # Count first: with each counted tag present once the lazy pattern runs in linear time,
+    # and the result is the same as matching first (both conditions must hold).
+    if any(text.count(f"<{t}>") != 1 or text.count(f"</{t}>") != 1 for t in tags):
+        return 0.0
+    return 1.0 if _PATTERNS[has_call, has_response].search(text) else 0.0
+
+
 @register("tool_format", low=0.0, high=1.0)
 def tool_format(completion, example):
-    has_call, has_response = _blocks(example["ground_truth"])
-    tags = ["think"] + ["tool_call"] * has_call + ["response"] * has_response
-    # Count first: with each tag present once, the regex below runs in linear time.
-    if any(completion.count(f"<{t}>") != 1 or completion.count(f"</{t}>") != 1 for t in tags):
-        return 0.0
-    return 1.0 if _PATTERNS[has_call, has_response].search(completion) else 0.0
+    """ToolRL's released format reward: strip, then check the blocks (see the module docstring)."""
+    return _format_ok(completion.strip(), example["ground_truth"], count_think=False)
+
+
+@register("tool_format_strict", low=0.0, high=1.0)
+def tool_format_strict(completion, example):
+    """Stricter than ToolRL: exactly one block of each kind, <think> included, on the raw text."""
+    return _format_ok(completion, example["ground_truth"], count_think=True)
 
 
 def parse_calls(text):

@@ -30,6 +30,20 @@ def test_paper_two_sample_example_grpo_collapses_gdpo_separates():
     assert a[0, 0] > a[1, 0] > 0  # "both right" now outranks "one right"
 
 
+def test_gdpo_with_one_reward_falls_back_to_grpo():
+    # The released TRL code applies GDPO only when there are two or more rewards
+    # (`apply_gdpo and len(reward_weights) > 1`); one reward goes through plain GRPO.
+    r = torch.tensor([[1.0, 0.0, 0.0, 0.0], [1.0, 1.0, 1.0, 0.0]]).unsqueeze(-1)  # (B=2, G=4, R=1)
+    # Group 0: mean 1/4, Bessel std sqrt((9/16 + 3/16) / 3) = 1/2; group 1 mirrors it.
+    hi, lo = 0.75 / (0.5 + EPS), 0.25 / (0.5 + EPS)
+    want = [hi, -lo, -lo, -lo, lo, lo, lo, -hi]
+    assert gdpo(r).flatten().tolist() == pytest.approx(want, abs=1e-6)
+    assert (round(hi, 4), round(-lo, 4)) == (1.4997, -0.4999)
+    torch.testing.assert_close(gdpo(r, torch.tensor([2.0])), grpo(r, torch.tensor([2.0])))
+    # Without the fallback the batch step (Eq. 6) rescales these to 1.620 / -0.540.
+    assert gdpo(r, single_reward_grpo=False)[0, :2].tolist() == pytest.approx([1.620, -0.540], abs=1e-3)
+
+
 def test_grpo_no_std_is_mean_centred_sum():
     r = torch.tensor([[[1.0, 1.0], [0.0, 1.0], [0.0, 0.0]]])
     assert grpo_no_std(r)[0].tolist() == pytest.approx([1.0, 0.0, -1.0])
@@ -43,7 +57,7 @@ def paper_formula(rewards, weights, name):
     """
     B, G, R = rewards.shape
     flat, weights = rewards.reshape(B * G, R).double(), weights.double()
-    if name == "gdpo":
+    if name == "gdpo" and R > 1:  # one reward goes through GRPO, as `len(reward_weights) > 1` decides there
         cols = []
         for k in range(R):
             x = flat[:, k].view(-1, G)
@@ -56,7 +70,7 @@ def paper_formula(rewards, weights, name):
     return out.to(rewards.dtype)
 
 
-@pytest.mark.parametrize("name", list(ESTIMATORS))
+@pytest.mark.parametrize("name", ["grpo", "grpo_no_std", "gdpo"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_matches_paper_formula_on_nan_free_input(name, dtype):
     g = torch.Generator().manual_seed(0)
@@ -85,8 +99,9 @@ def random_rewards_with_holes(seed, B=6, G=5, R=3):
 def test_vectorised_equals_naive_reference_with_nans(name, seed):
     r = random_rewards_with_holes(seed)
     w = [1.0, 0.5, 2.0]
-    got = ESTIMATORS[name](r, torch.tensor(w, dtype=torch.float64))
-    want = torch.tensor(NAIVE[name](r.tolist(), w), dtype=torch.float64)
+    lengths = torch.randint(0, 9, r.shape[:2], generator=torch.Generator().manual_seed(seed))  # some 0-token samples
+    got = ESTIMATORS[name](r, torch.tensor(w, dtype=torch.float64), lengths=lengths)
+    want = torch.tensor(NAIVE[name](r.tolist(), w, lengths=lengths.tolist()), dtype=torch.float64)
     torch.testing.assert_close(got, want, atol=1e-9, rtol=0)
     assert torch.isfinite(got).all()
 
@@ -100,14 +115,14 @@ def test_nan_is_left_out_of_group_statistics_and_gives_zero():
 
 def test_constant_reward_gives_exact_zero_for_that_reward():
     r = torch.tensor([[[0.1, 1.0], [0.1, 0.0], [0.1, 1.0]]])  # 0.1 does not sum exactly in floating point
-    a_k_only_second = gdpo(r[..., 1:])
+    a_k_only_second = gdpo(r[..., 1:], single_reward_grpo=False)  # the same batch step, one reward
     torch.testing.assert_close(gdpo(r), a_k_only_second)
     assert grpo(torch.full((2, 4, 1), 0.1)).abs().max().item() == 0.0
 
 
 def test_all_nan_sample_gets_zero_and_stays_out_of_batch_statistics():
     r = torch.tensor([[[1.0], [0.0], [math.nan]], [[1.0], [0.0], [0.0]]])
-    a = gdpo(r)
+    a = gdpo(r, single_reward_grpo=False)  # one reward, so keep the batch step explicitly
     assert a[0, 2].item() == 0.0
     # The batch statistics are those of the 5 other samples, as if the NaN sample were absent.
     z = 0.5 / (S2 + EPS)
@@ -129,8 +144,9 @@ def test_degenerate_batches_give_finite_zero_advantages():
 def test_weights_scale_the_per_reward_advantages():
     r = torch.tensor([[[1.0, 0.0], [0.0, 1.0], [0.0, 0.0], [1.0, 1.0]]])
     a = gdpo(r, torch.tensor([2.0, 0.0]))
-    torch.testing.assert_close(a, gdpo(r[..., :1], torch.tensor([2.0])))  # a zero weight removes a reward
-    torch.testing.assert_close(a, gdpo(r[..., :1]), atol=1e-3, rtol=0)     # and Eq. 6 undoes the scale (up to eps)
+    one = dict(single_reward_grpo=False)  # keep the batch step with one reward left
+    torch.testing.assert_close(a, gdpo(r[..., :1], torch.tensor([2.0]), **one))  # a zero weight removes a reward
+    torch.testing.assert_close(a, gdpo(r[..., :1], **one), atol=1e-3, rtol=0)     # and Eq. 6 undoes the scale (up to eps)
     with pytest.raises(ValueError, match="expected \\(2,\\)"):
         gdpo(r, torch.tensor([1.0, 2.0, 3.0]))
 

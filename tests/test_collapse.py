@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 
-from minigdpo.advantages import ESTIMATORS
+from minigdpo.advantages import ESTIMATORS, NAIVE
 from minigdpo.collapse import count_distinct, distinct_per_group, distinct_rows, enumerate_groups, main
 
 
@@ -47,4 +47,16 @@ def test_distinct_per_group():
 def test_cli_prints_table(capsys):
     main(["--max-group", "4", "--max-rewards", "3"])
     out = capsys.readouterr().out
-    assert "grpo_no_std" in out and "\n  2            2            3            3\n" in out
+    assert all(name in out for name in ESTIMATORS)
+    assert "\n  2            2            3            3            3            3\n" in out  # G = 2, every estimator
+
+
+@pytest.mark.parametrize("G,R", [(3, 2), (4, 2), (4, 3)])
+def test_gdpo_nemo_leave_one_out_scales_split_more_groups(G, R):
+    # Counted by the naive oracle over every ordered group: leave-one-out gives each sample
+    # its own std, so gdpo_nemo separates groups that GDPO's shared group std maps alike.
+    outcomes = list(itertools.product([0.0, 1.0], repeat=R))
+    ordered = [list(g) for g in itertools.product(outcomes, repeat=G)]
+    naive = {tuple(sorted(round(a, 6) for a in row)) for row in NAIVE["gdpo_nemo"](ordered, None, eps=0.0)}
+    assert count_distinct("gdpo_nemo", G, R) == len(naive)
+    assert count_distinct("gdpo_verl", G, R) == count_distinct("gdpo", G, R) < len(naive)

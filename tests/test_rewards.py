@@ -13,7 +13,7 @@ from minigdpo import rewards as registry
 from minigdpo.rewards import RewardScorer, register
 from rewards.gsm8k import answer_from_solution, correct_reward, format_reward, integer_reward
 from rewards.length import length_ok
-from rewards.toolcall import call_score, overlap, tool_correct, tool_format
+from rewards.toolcall import call_score, overlap, tool_correct, tool_format, tool_format_strict
 
 GOOD = "<think>48/2 = 24, 48 + 24 = 72</think>\n<answer>72</answer>"
 ADVERSARIAL = [
@@ -86,24 +86,44 @@ GT_RESP = "<think> no tool needed </think>\n<response> Hello! </response>"
 GT_BOTH = f"<think> t </think>\n<tool_call>\n{CALL}\n</tool_call>\n<response> r </response>"
 
 
-@pytest.mark.parametrize(
-    "truth,completion,want",
-    [
-        (GT_CALL, GT_CALL, 1.0),
-        (GT_CALL, GT_RESP, 0.0),
-        (GT_CALL, f"<think>a</think>\n<tool_call>{CALL}</tool_call>", 0.0),        # newlines inside the block required
-        (GT_CALL, f"<think>a</think>\n<think>b</think>\n<tool_call>\n{CALL}\n</tool_call>", 0.0),  # a tag twice
-        (GT_CALL, f"<think>a</think>\n<tool_call>\n{CALL}\n</tool_call>\n<tool_call>\n{CALL}\n</tool_call>", 0.0),
-        (GT_RESP, GT_RESP, 1.0),
-        (GT_RESP, GT_CALL, 0.0),
-        (GT_BOTH, GT_BOTH, 1.0),
-        (GT_BOTH, GT_CALL, 0.0),
-        ("<think> only </think>", "<think> x </think>", 1.0),
-        ("<think> only </think>", "<think> x </think>\n<response>y</response>", 0.0),
-    ],
-)
-def test_tool_format(truth, completion, want):
-    assert tool_format(completion, {"ground_truth": truth}) == want
+# Expected values read off ToolRL's released format check (qiancheng0/ToolRL and NVlabs/GDPO
+# verl-GDPO, verl/utils/reward_score/rlla.py): its compute_score strips the decoded answer, then
+# the format function matches the block regex and counts only the <tool_call>/<response> tags
+# the ground truth has. It never counts <think>, and `$` also matches before one final newline.
+TWO_THINKS = f"<think>a</think>\n<think>b</think>\n<tool_call>\n{CALL}\n</tool_call>"
+NESTED_THINK = f"<think>a <think>b</think>\n<tool_call>\n{CALL}\n</tool_call>"
+TOOL_FORMAT_CASES = [  # (truth, completion, released value, strict value)
+    (GT_CALL, GT_CALL, 1.0, 1.0),
+    (GT_CALL, GT_RESP, 0.0, 0.0),
+    (GT_CALL, f"<think>a</think>\n<tool_call>{CALL}</tool_call>", 0.0, 0.0),  # newlines inside the block required
+    (GT_CALL, TWO_THINKS, 1.0, 0.0),        # the lazy .*? runs over the first </think>
+    (GT_CALL, NESTED_THINK, 1.0, 0.0),
+    (GT_CALL, f"<think>a</think>\n<tool_call>\n{CALL}\n</tool_call>\n<tool_call>\n{CALL}\n</tool_call>", 0.0, 0.0),
+    (GT_CALL, GT_CALL + " done", 0.0, 0.0),  # text after the last block
+    (GT_CALL, " " + GT_CALL, 1.0, 0.0),      # stripped first
+    (GT_CALL, "\n" + GT_CALL, 1.0, 0.0),
+    (GT_CALL, GT_CALL + "\n\n", 1.0, 0.0),
+    (GT_CALL, "\t" + GT_CALL + " \n", 1.0, 0.0),
+    (GT_CALL, GT_CALL + "\n", 1.0, 1.0),     # `$` matches before one final newline, in both modes
+    (GT_RESP, GT_RESP, 1.0, 1.0),
+    (GT_RESP, GT_CALL, 0.0, 0.0),
+    (GT_RESP, "<think>maybe <tool_call> later</think>\n<response>hi</response>", 1.0, 1.0),  # tool_call not counted
+    (GT_RESP, "<think>t</think>\n<response>a</response>\n<response>b</response>", 0.0, 0.0),
+    (GT_RESP, "<think>t</think>\n<think>u</think>\n<response>a</response>", 1.0, 0.0),
+    (GT_BOTH, GT_BOTH, 1.0, 1.0),
+    (GT_BOTH, GT_CALL, 0.0, 0.0),
+    (GT_BOTH, "\n" + GT_BOTH.replace("<think> t </think>", "<think>a</think>\n<think>b</think>") + " ", 1.0, 0.0),
+    ("<think> only </think>", "<think> x </think>", 1.0, 1.0),
+    ("<think> only </think>", "<think> x </think>\n<response>y</response>", 0.0, 0.0),
+    ("<think> only </think>", "<think>a</think><think>b</think>", 1.0, 0.0),
+    ("<think> only </think>", "  <think> x </think>\n\n", 1.0, 0.0),
+]
+
+
+@pytest.mark.parametrize("truth,completion,released,strict", TOOL_FORMAT_CASES, ids=range(len(TOOL_FORMAT_CASES)))
+def test_tool_format_matches_the_released_checker(truth, completion, released, strict):
+    assert tool_format(completion, {"ground_truth": truth}) == released
+    assert tool_format_strict(completion, {"ground_truth": truth}) == strict
 
 
 def call(name, **params):
@@ -150,7 +170,8 @@ def test_tool_correct_accepts_multiple_calls_and_order_free_names():
 EXAMPLES = {"answer": "72", "ground_truth": GT_BOTH, "completion_tokens": 5}
 
 
-@pytest.mark.parametrize("name", ["format", "correct", "integer", "length_ok", "tool_format", "tool_correct"])
+@pytest.mark.parametrize("name", ["format", "correct", "integer", "length_ok", "tool_format", "tool_format_strict",
+                                  "tool_correct"])
 @pytest.mark.parametrize("i", range(len(ADVERSARIAL)))
 def test_adversarial_completions_stay_in_range_and_fast(name, i):
     reward = registry.get(name)
@@ -163,7 +184,8 @@ def test_adversarial_completions_stay_in_range_and_fast(name, i):
 # Registry and scorer -----------------------------------------------------------------------
 
 def test_registry_names_and_errors():
-    assert {"format", "correct", "integer", "length_ok", "tool_format", "tool_correct"} <= set(registry.names())
+    assert {"format", "correct", "integer", "length_ok", "tool_format", "tool_format_strict",
+            "tool_correct"} <= set(registry.names())
     with pytest.raises(ValueError, match="unknown reward 'nope'"):
         registry.get("nope")
     with pytest.raises(ValueError, match="already registered"):
