@@ -6,8 +6,9 @@ tested one by one in tests/test_vllm_sampler.py.
 
 Behaviours:
 - sample j of a request draws from stream seed + j (v1/engine/parallel_sampling.py:81), one stream per
-  seed (v1/worker/gpu_model_runner.py:1265-1266; the V2 runner hashes (seed, position), v1/worker/gpu/
-  sample/states.py:54-58); two requests with the same seed draw the same noise;
+  seed (v1/worker/gpu_model_runner.py:1265-1266; the V2 runner, the default on CUDA, keeps the seed
+  per request, v1/worker/gpu/sample/states.py:54-58, and hashes it with the position,
+  v1/worker/gpu/sample/gumbel.py:264-272); two requests with the same seed draw the same noise;
 - stop ids stop generation even with ignore_eos; EOS stops only without it (v1/core/sched/utils.py:105-112,
   sampling_params.py:781-782);
 - logprobs=0 gives exactly one {token: Logprob} dict per generated token, holding the sampled token
@@ -26,8 +27,8 @@ Behaviours:
 - level-1 sleep backs the weights up to CPU and wake_up restores that copy; a write into sleeping weights
   is lost (device_allocator/cumem.py:265-276, 346-357);
 - a Llama/Qwen2 `load_weights` maps Hugging Face names onto the stacked qkv_proj / gate_up_proj layout
-  (model_executor/models/llama.py:348-357, qwen2.py:325), skips rotary buffers (model_executor/models/
-  utils.py:236) and a tied lm_head (utils.py:255-259).
+  (model_executor/models/llama.py:348-357, model_executor/models/qwen2.py:325), skips rotary buffers
+  (model_executor/models/utils.py:236) and a tied lm_head (model_executor/models/utils.py:255-259).
 `install(monkeypatch)` puts it in sys.modules as `vllm` and `vllm.inputs`.
 """
 
