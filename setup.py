@@ -12,13 +12,17 @@ setup(
     packages=["minigdpo", "rewards"],
     install_requires=[
         "torch>=2.6",  # FSDP2's public fully_shard
-        "transformers>=4.56",  # the dtype= loading argument
+        # vLLM 0.33.0 declares transformers>=5.16.1,<5.21 (recorded in minigdpo/vllm_sampler.py). Declaring the
+        # same range here makes `.[test]` (CI) and `.[vllm]` resolve to the same transformers release, so the
+        # stack the tests run on is the stack the GPU node runs on.
+        "transformers>=5.16.1,<5.21",
         "numpy",
         "safetensors",
         "tqdm",
     ],
     extras_require={
-        "vllm": ["vllm==0.10.2"],  # the one version minigdpo/vllm_sampler.py is written against (it brings torch 2.8)
+        "vllm": ["vllm==0.33.0"],  # the one version minigdpo/vllm_sampler.py is written against (it brings torch 2.14)
+        "gpu": ["vllm==0.33.0", "datasets"],  # the default recipe on a GPU node: vLLM rollouts, GSM8K from the hub
         "test": ["pytest", "hypothesis", "matplotlib"],
         "plot": ["matplotlib"],
         "demo": ["gguf", "accelerate"],  # loads the offline demo model from its GGUF file

@@ -257,6 +257,8 @@ def validate(cfg):
     _check(0 <= cfg.clip_high, f"--clip-high must be >= 0, got {cfg.clip_high}")
     _check(math.isfinite(cfg.temperature) and cfg.temperature > 0, f"--temperature must be > 0, got {cfg.temperature}")
     _check(0 < cfg.top_p <= 1, f"--top-p must be in (0, 1], got {cfg.top_p}")
+    # vLLM's processed log-probs are renormalised over the nucleus; the trainer's cover the whole vocabulary.
+    _check(cfg.top_p == 1 or cfg.sampler == "hf", f"--top-p {cfg.top_p} needs --sampler hf (vLLM's log-probs are renormalised after top-p)")
     _check(math.isfinite(cfg.epochs) and cfg.epochs > 0, f"--epochs must be > 0, got {cfg.epochs}")
     _check(0 < cfg.vllm_gpu_memory_utilization < 1,
            f"--vllm-gpu-memory-utilization must be in (0, 1), got {cfg.vllm_gpu_memory_utilization}")

@@ -1,14 +1,14 @@
 """The vLLM rollout backend, colocated with the FSDP2 trainer: one engine per rank.
 
-Written against vLLM 0.10.2 (pinned in setup.py's `vllm` extra). Every vLLM call the project
-makes is in this file:
+Written against vLLM 0.33.0 (pinned in setup.py's `vllm` and `gpu` extras). Every vLLM call the
+project makes is in this file; tests/check_vllm_contract.py checks each name against the wheel:
 
-    vllm.LLM(model, tokenizer, dtype, seed, gpu_memory_utilization, max_model_len, max_num_seqs,
-             enable_sleep_mode=True, enable_prefix_caching=True, tensor_parallel_size=1,
+    vllm.LLM(model, tokenizer, dtype, seed, gpu_memory_utilization, tensor_parallel_size=1,
+             **EngineArgs: max_model_len, max_num_seqs, enable_sleep_mode=True, enable_prefix_caching=True,
              distributed_executor_backend="external_launcher", logprobs_mode="processed_logprobs")
     vllm.SamplingParams(n, temperature, top_p, max_tokens, logprobs=0, seed, stop_token_ids, ignore_eos)
     vllm.inputs.TokensPrompt(prompt_token_ids=...)
-    LLM.generate(prompts, sampling_params, use_tqdm=False) -> [RequestOutput]
+    LLM.generate(prompts, [SamplingParams per prompt], use_tqdm=False) -> [RequestOutput]
         RequestOutput.outputs -> [CompletionOutput(token_ids, logprobs, finish_reason)]
         CompletionOutput.logprobs -> one {token_id: Logprob(logprob, ...)} per generated token
     LLM.sleep(level=1), LLM.wake_up(tags=["weights"] or ["kv_cache"]), LLM.reset_prefix_cache()
@@ -17,11 +17,14 @@ makes is in this file:
 
 `load_weights` takes Hugging Face checkpoint names; the vLLM model maps them to its own layout
 (q/k/v into qkv_proj, gate/up into gate_up_proj) and skips lm_head when embeddings are tied.
+vLLM's own RL weight-update API (vllm/entrypoints/rl: init_weight_transfer_engine, update_weights)
+connects a trainer in another process through a transfer backend (vllm/distributed/weight_transfer);
+colocated in one process, the direct call streams each full tensor with no transport in between.
 
 The weight life cycle, one step:
 
     generate()      engine awake, weights current
-    sleep()         level 1: weights copied to CPU, KV cache freed; the trainer gets the memory
+    sleep()         level 1: weights copied to CPU, KV cache freed, prefix cache reset; the trainer gets the memory
     load_weights()  wake the weights only, stream the new ones in one tensor at a time, reset
                     the prefix cache (its entries were computed with the old weights)
     wake()          allocate the KV cache; generate again
@@ -29,13 +32,27 @@ The weight life cycle, one step:
 Weights only ever come from the trainer. Nothing reloads them from disk after a sync: that
 pattern silently serves stale weights (huggingface/trl#5312). `sampler/logp_gap` in the
 metrics would show it at once.
+
+Sampling streams. vLLM draws sample j of a request from the stream `seed + j`
+(vllm/v1/engine/parallel_sampling.py:81), so one seed shared by every prompt would give sample j
+of every prompt the same noise. Each prompt i of a call gets its own seed, `(seed * B + i) * n`:
+its n samples then use the streams `seed * B * n + i * n + j`, one per (prompt, sample), and calls
+with different seeds (train.py adds the rank and the step) use disjoint blocks of B * n streams.
 """
 
 import os
+import random
 import socket
+
+import numpy as np
+import torch
 
 from minigdpo.sampler import Completion
 
+VLLM_VERSION = "0.33.0"
+# What the vLLM 0.33.0 wheel declares (its METADATA); setup.py's own ranges must lie inside these.
+# tests/check_vllm_contract.py compares this record with the wheel.
+VLLM_REQUIRES = {"torch": "==2.14.0", "transformers": ">=5.16.1,<5.21.0"}
 WRAPPER_PREFIXES = ("_checkpoint_wrapped_module.", "_orig_mod.", "_fsdp_wrapped_module.")
 
 
@@ -46,6 +63,15 @@ def vllm_name(name):
     return name
 
 
+def request_seeds(seed, num_prompts, n):
+    """One seed per prompt, n apart, so that (prompt i, sample j) draws from stream seed*B*n + i*n + j.
+
+    Kept below 2**62, so that seed + j stays an int64 too: the V2 model runner stores seeds as int64
+    (vllm/v1/worker/gpu/sample/states.py:58).
+    """
+    return [((seed * num_prompts + i) * n) % 2**62 for i in range(num_prompts)]
+
+
 def _ensure_launcher_env():
     """external_launcher reads torchrun's variables; a plain `python train.py` has none."""
     if "RANK" not in os.environ:
@@ -53,6 +79,26 @@ def _ensure_launcher_env():
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
         os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not torch.distributed.is_initialized():
+        # vLLM would open its own one-rank group with this RANK and wait forever (parallel_state.py:1928).
+        raise RuntimeError("the vLLM sampler joins the trainer's process group: call dist.init() before building it")
+
+
+class _KeepRNG:
+    """Restore python, numpy, torch and CUDA RNG states on exit: building an engine reseeds them all
+    (vllm/v1/worker/gpu_worker.py:517 and 1094 -> vllm/utils/torch_utils.py:528)."""
+
+    def __enter__(self):
+        self.states = (random.getstate(), np.random.get_state(), torch.get_rng_state(),
+                       torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None)
+
+    def __exit__(self, *exc):
+        py, npy, cpu, cuda = self.states
+        random.setstate(py)
+        np.random.set_state(npy)
+        torch.set_rng_state(cpu)
+        if cuda is not None:
+            torch.cuda.set_rng_state_all(cuda)
 
 
 class VLLMSampler:
@@ -65,11 +111,13 @@ class VLLMSampler:
         _ensure_launcher_env()
         self.tokenizer = tokenizer
         self.stop_ids = sorted(stop_ids)
-        self.llm = vllm.LLM(model=model_path, tokenizer=model_path, dtype="bfloat16" if dtype is None else str(dtype).split(".")[-1],
-                            seed=seed, gpu_memory_utilization=gpu_memory_utilization, max_model_len=max_model_len,
-                            max_num_seqs=max_num_seqs, enable_sleep_mode=True, enable_prefix_caching=True,
-                            tensor_parallel_size=1, distributed_executor_backend="external_launcher",
-                            logprobs_mode="processed_logprobs")  # log-probs after temperature, as the trainer computes them
+        with _KeepRNG():
+            self.llm = vllm.LLM(model=model_path, tokenizer=model_path,
+                                dtype="bfloat16" if dtype is None else str(dtype).split(".")[-1],
+                                seed=seed, gpu_memory_utilization=gpu_memory_utilization, max_model_len=max_model_len,
+                                max_num_seqs=max_num_seqs, enable_sleep_mode=True, enable_prefix_caching=True,
+                                tensor_parallel_size=1, distributed_executor_backend="external_launcher",
+                                logprobs_mode="processed_logprobs")  # log-probs after temperature, as the trainer computes them
         self.weights_awake, self.kv_awake = True, True
 
     def _model(self):
@@ -80,9 +128,11 @@ class VLLMSampler:
         from vllm.inputs import TokensPrompt
 
         self.wake()
-        sampling = vllm.SamplingParams(n=n, temperature=params.temperature, top_p=params.top_p,
-                                       max_tokens=params.max_new_tokens, logprobs=0, seed=params.seed,
-                                       stop_token_ids=self.stop_ids, ignore_eos=params.ignore_eos)
+        stop = [] if params.ignore_eos else self.stop_ids  # vLLM stops on stop_token_ids even with ignore_eos
+        sampling = [vllm.SamplingParams(n=n, temperature=params.temperature, top_p=params.top_p,
+                                        max_tokens=params.max_new_tokens, logprobs=0, seed=s,
+                                        stop_token_ids=stop, ignore_eos=params.ignore_eos)
+                    for s in request_seeds(params.seed, len(prompts), n)]
         outputs = self.llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompts], sampling, use_tqdm=False)
         return [[self._completion(c) for c in out.outputs] for out in outputs]
 
@@ -92,10 +142,16 @@ class VLLMSampler:
         finish = "stop" if out.finish_reason == "stop" else "length"
         return Completion(ids, logprobs, finish, self.tokenizer.decode(ids, skip_special_tokens=True))
 
+    def _wake_up(self, tag):
+        # vLLM maps its memory straight from the driver: blocks the trainer's caching allocator still
+        # holds after the update would be out of its reach.
+        torch.cuda.empty_cache()
+        self.llm.wake_up(tags=[tag])
+
     def load_weights(self, named_tensors):
         """Stream (HF name, full tensor) pairs into the engine, then drop prefix-cache entries."""
         if not self.weights_awake:
-            self.llm.wake_up(tags=["weights"])
+            self._wake_up("weights")
             self.weights_awake = True
         self._model().load_weights((vllm_name(name), tensor) for name, tensor in named_tensors)
         self.llm.reset_prefix_cache()
@@ -107,8 +163,8 @@ class VLLMSampler:
 
     def wake(self):
         if not self.weights_awake:
-            self.llm.wake_up(tags=["weights"])
+            self._wake_up("weights")
             self.weights_awake = True
         if not self.kv_awake:
-            self.llm.wake_up(tags=["kv_cache"])
+            self._wake_up("kv_cache")
             self.kv_awake = True

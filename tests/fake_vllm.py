@@ -1,60 +1,115 @@
-"""A stand-in for the slice of vLLM 0.10.2 that minigdpo/vllm_sampler.py calls.
+"""A stand-in for the slice of vLLM 0.33.0 that minigdpo/vllm_sampler.py calls, written from its source.
 
-It mimics the signatures (unknown keyword arguments raise, as they would), the output objects,
-the sleep/wake semantics (level 1 backs weights up to CPU and restores that backup on wake; a
-write into sleeping weights is lost) and a Llama/Qwen2 model's `load_weights`, which maps
-Hugging Face names onto vLLM's stacked qkv_proj / gate_up_proj layout and skips a tied lm_head.
+Every behaviour cites the file and line of the vLLM 0.33.0 wheel it mimics (paths under `vllm/`).
+tests/check_vllm_contract.py checks the names used here against that wheel; the behaviours are
+tested one by one in tests/test_vllm_sampler.py.
+
+Behaviours:
+- sample j of a request draws from stream seed + j (v1/engine/parallel_sampling.py:81), one stream per
+  seed (v1/worker/gpu_model_runner.py:1265-1266; the V2 runner, the default on CUDA, keeps the seed
+  per request, v1/worker/gpu/sample/states.py:54-58, and hashes it with the position,
+  v1/worker/gpu/sample/gumbel.py:264-272); two requests with the same seed draw the same noise;
+- stop ids stop generation even with ignore_eos; EOS stops only without it (v1/core/sched/utils.py:105-112,
+  sampling_params.py:781-782);
+- logprobs=0 gives exactly one {token: Logprob} dict per generated token, holding the sampled token
+  (v1/sample/sampler.py:398-416, v1/worker/gpu/sample/logprob.py:126-133, logprobs.py:198-208);
+- processed log-probs are taken after temperature and top-p, so they are renormalised over the nucleus
+  (v1/sample/ops/topk_topp_sampler.py:303-308 and 555-562; v1/worker/gpu/sample/sampler.py:346-359, 171-173);
+- sleep(level>=1) also resets the prefix cache (v1/engine/core.py:1007-1008 -> 932-945); sleeping
+  again is a no-op for the weights (v1/executor/abstract.py:400-403);
+- wake_up on a tag that is not asleep does nothing (v1/executor/abstract.py:412-422); generation resumes only
+  once every tag is awake (v1/engine/core.py:1053-1055);
+- external_launcher reads RANK and LOCAL_RANK (v1/executor/uniproc_executor.py:195-196) and, with more than
+  one rank, joins the existing default process group; without one a rank would wait forever in
+  init_process_group (distributed/parallel_state.py:1928-1983);
+- building the engine reseeds python, numpy, torch and CUDA RNGs (v1/worker/gpu_worker.py:517 and 1094,
+  utils/torch_utils.py:528-539);
+- level-1 sleep backs the weights up to CPU and wake_up restores that copy; a write into sleeping weights
+  is lost (device_allocator/cumem.py:265-276, 346-357);
+- a Llama/Qwen2 `load_weights` maps Hugging Face names onto the stacked qkv_proj / gate_up_proj layout
+  (model_executor/models/llama.py:348-357, model_executor/models/qwen2.py:325), skips rotary buffers
+  (model_executor/models/utils.py:236) and a tied lm_head (model_executor/models/utils.py:255-259).
 `install(monkeypatch)` puts it in sys.modules as `vllm` and `vllm.inputs`.
 """
 
+import os
+import random
 import sys
 import types
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
+VERSION = "0.33.0"
+
 
 @dataclass
-class Logprob:
+class Logprob:  # logprobs.py:13
     logprob: float
-    rank: int = 1
-    decoded_token: str = None
+    rank: int | None = None
+    decoded_token: str | None = None
 
 
 @dataclass
-class CompletionOutput:
+class CompletionOutput:  # outputs.py:59-98
     index: int
     text: str
     token_ids: list
-    cumulative_logprob: float
-    logprobs: list
-    finish_reason: str = None
+    cumulative_logprob: float | None
+    logprobs: list | None
+    finish_reason: str | None = None
     stop_reason: object = None
 
 
 @dataclass
-class RequestOutput:
+class RequestOutput:  # outputs.py:169-176
     request_id: str
-    prompt: str
-    prompt_token_ids: list
+    prompt: str | None
+    prompt_token_ids: list | None
     prompt_logprobs: object
     outputs: list
-    finished: bool = True
+    finished: bool
 
 
 class SamplingParams:
-    def __init__(self, n=1, temperature=1.0, top_p=1.0, top_k=0, max_tokens=16, logprobs=None, seed=None,
-                 stop_token_ids=None, ignore_eos=False, skip_special_tokens=True):
-        self.__dict__.update(locals())
-        del self.__dict__["self"]
+    """The fields minigdpo sets (sampling_params.py:285-342); any other keyword raises, as the msgspec Struct does."""
+
+    def __init__(self, *, n=1, temperature=1.0, top_p=1.0, top_k=0, seed=None, stop_token_ids=None,
+                 ignore_eos=False, max_tokens=16, logprobs=None):
+        self.__dict__.update({k: v for k, v in locals().items() if k != "self"})
+        if self.seed == -1:  # sampling_params.py:570-571
+            self.seed = None
+        self.stop_token_ids = list(dict.fromkeys(stop_token_ids or []))  # sampling_params.py:582-585
+        if temperature < 1e-5:  # sampling_params.py:615-620, 769-773: greedy
+            self.top_p, self.top_k = 1.0, 0
+            if n > 1:
+                raise ValueError(f"n must be 1 when using greedy sampling, got {n}.")
 
 
-def TokensPrompt(prompt_token_ids):  # a TypedDict in vLLM
+def TokensPrompt(prompt_token_ids):  # a TypedDict in vLLM (inputs/__init__.py:33)
     return {"prompt_token_ids": prompt_token_ids}
 
 
+def set_random_seed(seed):
+    """utils/torch_utils.py:528-539, called from the worker while the engine is built."""
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+    torch.cuda.manual_seed_all(seed)
+
+
+def top_p_mask(logits, p):
+    """topk_topp_sampler.py:555-562: drop the tokens whose ascending cumulative probability is <= 1 - p."""
+    order = logits.argsort()                                           # ascending
+    cum = logits[order].softmax(-1).cumsum(-1)
+    drop = cum <= 1 - p
+    drop[-1] = False                                                   # at least one token
+    return logits.clone().index_fill_(0, order[drop], float("-inf"))
+
+
 STACKED = [(".qkv_proj", ".q_proj", "q"), (".qkv_proj", ".k_proj", "k"), (".qkv_proj", ".v_proj", "v"),
-           (".gate_up_proj", ".gate_proj", 0), (".gate_up_proj", ".up_proj", 1)]
+           (".gate_up_proj", ".gate_proj", 0), (".gate_up_proj", ".up_proj", 1)]  # llama.py:348-357
 
 
 class FakeModel:
@@ -109,20 +164,37 @@ class FakeModel:
         return loaded
 
 
+ENGINE_ARGS = ("max_model_len", "max_num_seqs", "enable_sleep_mode", "enable_prefix_caching",
+               "distributed_executor_backend", "logprobs_mode")  # EngineArgs fields passed through **kwargs
+
+
 class LLM:
     instances = []
 
-    def __init__(self, model, *, tokenizer=None, dtype="auto", seed=0, gpu_memory_utilization=0.9, max_model_len=None,
-                 max_num_seqs=None, enable_sleep_mode=False, enable_prefix_caching=None, tensor_parallel_size=1,
-                 distributed_executor_backend=None, logprobs_mode="raw_logprobs"):
-        from transformers import AutoConfig
+    def __init__(self, model, *, tokenizer=None, dtype="auto", seed=0, gpu_memory_utilization=0.92,
+                 tensor_parallel_size=1, **kwargs):
+        from transformers import AutoConfig, AutoTokenizer
 
-        self.kwargs = {k: v for k, v in locals().items() if k not in ("self", "AutoConfig")}
+        unknown = set(kwargs) - set(ENGINE_ARGS)
+        if unknown:  # EngineArgs(**kwargs) rejects them (entrypoints/llm.py:295-343)
+            raise TypeError(f"EngineArgs got unexpected keyword arguments {sorted(unknown)}")
+        self.kwargs = dict(model=model, tokenizer=tokenizer, dtype=dtype, seed=seed, tensor_parallel_size=tensor_parallel_size,
+                           gpu_memory_utilization=gpu_memory_utilization, **kwargs)
+        if kwargs.get("distributed_executor_backend") == "external_launcher":
+            rank, _ = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"])  # KeyError without them
+            if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not torch.distributed.is_initialized():
+                raise RuntimeError(f"rank {rank} would wait forever in init_process_group: no default process group")
+        set_random_seed(seed)
+        self.logprobs_mode = kwargs.get("logprobs_mode", "raw_logprobs")
         self.calls = []
-        self.weights_asleep = self.kv_asleep = False
+        self.sleeping_tags = set()
         self.backup = None
-        self.script = None  # list of (token_ids, logprobs, finish_reason) handed out by generate
-        model_obj = FakeModel(AutoConfig.from_pretrained(model), self)
+        config = AutoConfig.from_pretrained(model)
+        self.eos_token_id = AutoTokenizer.from_pretrained(tokenizer or model).eos_token_id  # input_processor.py:489-492
+        table = torch.randn(config.vocab_size, config.vocab_size, generator=torch.Generator().manual_seed(0))
+        self.logits = lambda prompt, output: table[(output or prompt)[-1]]  # a toy LM: (V,) next-token logits
+        self.streams = []  # (request index, sample index, seed its noise was drawn from)
+        model_obj = FakeModel(config, self)
         executor = types.SimpleNamespace(driver_worker=types.SimpleNamespace(model_runner=types.SimpleNamespace(model=model_obj)))
         self.llm_engine = types.SimpleNamespace(model_executor=executor)
         self.model = model_obj
@@ -130,50 +202,84 @@ class LLM:
 
     def write(self, name, param, rows, tensor):
         self.calls.append(("load", name))
-        if self.weights_asleep:  # the GPU pages are gone: the write lands nowhere
+        if "weights" in self.sleeping_tags:  # the GPU pages are unmapped: the write lands nowhere
             return
         assert param[rows].shape == tensor.shape, (name, param[rows].shape, tensor.shape)
         param[rows] = tensor.detach().float().cpu()
 
-    def generate(self, prompts, sampling_params=None, use_tqdm=True):
-        assert not (self.weights_asleep or self.kv_asleep), "generate on a sleeping engine"
-        self.calls.append(("generate", len(prompts), sampling_params.n))
-        self.last_params = sampling_params
+    def generate(self, prompts, sampling_params=None, *, use_tqdm=True):
+        assert not self.sleeping_tags, "the scheduler stays paused until every tag is awake: generate would hang"
+        params = sampling_params if isinstance(sampling_params, (list, tuple)) else [sampling_params] * len(prompts)
+        if len(params) != len(prompts):  # entrypoints/common/offline.py:258-262
+            raise ValueError(f"The lengths of prompts ({len(prompts)}) and params ({len(params)}) must be the same.")
+        self.calls.append(("generate", len(prompts), params[0].n))
+        self.last_params = params
         outs = []
-        for i, prompt in enumerate(prompts):
+        for i, (prompt, sp) in enumerate(zip(prompts, params)):
             completions = []
-            for j in range(sampling_params.n):
-                ids, lps, finish = self.script[(i * sampling_params.n + j) % len(self.script)]
-                steps = [{t: Logprob(lp), t + 1: Logprob(-9.0, rank=2)} for t, lp in zip(ids, lps)]  # sampled + one other
-                completions.append(CompletionOutput(j, "", list(ids), sum(lps), steps, finish))
-            outs.append(RequestOutput(str(i), None, prompt["prompt_token_ids"], None, completions))
+            for j in range(sp.n):
+                seed = None if sp.seed is None else sp.seed + j  # parallel_sampling.py:81
+                self.streams.append((i, j, seed))
+                completions.append(self._sample(list(prompt["prompt_token_ids"]), sp, j, seed))
+            outs.append(RequestOutput(str(i), None, prompt["prompt_token_ids"], None, completions, True))
+        self.last_outputs = outs
         return outs
 
-    def sleep(self, level=1):
+    def _sample(self, prompt, sp, index, seed):
+        generator = torch.Generator().manual_seed(seed) if seed is not None else None  # gpu_model_runner.py:1265
+        ids, steps, finish, stop_reason = [], [], "length", None
+        while len(ids) < sp.max_tokens:
+            raw = self.logits(prompt, ids).float()                                        # (V,)
+            logits = raw / sp.temperature                                                 # sampler.py:340
+            if sp.top_p < 1.0:
+                logits = top_p_mask(logits, sp.top_p)
+            q = torch.empty_like(logits).exponential_(generator=generator)              # topk_topp_sampler.py:616-627
+            token = int((logits.softmax(-1) / q).argmax())
+            lp = (logits if self.logprobs_mode == "processed_logprobs" else raw).log_softmax(-1)  # sampler.py:149-150
+            ids.append(token)
+            if sp.logprobs is not None:  # the sampled token, then the top `logprobs` (0 here)
+                top = lp.topk(sp.logprobs).indices.tolist()
+                steps.append({t: Logprob(float(lp[t]), int((lp > lp[t]).sum()) + 1) for t in [token] + top})
+            if token == self.eos_token_id and not sp.ignore_eos:                          # core/sched/utils.py:105
+                finish = "stop"
+                break
+            if token in sp.stop_token_ids:                                                # core/sched/utils.py:109-112
+                finish, stop_reason = "stop", token
+                break
+        cum = sum(next(iter(s.values())).logprob for s in steps) if sp.logprobs is not None else None
+        return CompletionOutput(index, "", ids, cum, steps if sp.logprobs is not None else None, finish, stop_reason)
+
+    def sleep(self, level=1, mode="abort"):
         self.calls.append(("sleep", level))
+        if level >= 1:
+            self.reset_prefix_cache(reset_running_requests=True, reset_connector=True)  # core.py:1007-1008, 940
+        if "weights" in self.sleeping_tags:  # abstract.py:401-403: already asleep
+            return
         self.backup = {k: v.clone() for k, v in self.model.params.items()} if level == 1 else None
-        self.weights_asleep = self.kv_asleep = True
+        self.sleeping_tags |= {"weights", "kv_cache"}
 
     def wake_up(self, tags=None):
-        self.calls.append(("wake_up", tuple(tags or ("weights", "kv_cache"))))
-        if tags is None or "weights" in tags:
-            if self.weights_asleep and self.backup is not None:
-                for k, v in self.backup.items():  # level 1 restores the CPU copy taken at sleep time
-                    self.model.params[k].copy_(v)
-            self.weights_asleep = False
-        if tags is None or "kv_cache" in tags:
-            self.kv_asleep = False
+        self.calls.append(("wake_up", tuple(tags) if tags else None))
+        if not self.sleeping_tags or any(t not in self.sleeping_tags for t in tags or ()):  # abstract.py:413-422
+            return not self.sleeping_tags
+        woken = set(tags) if tags else set(self.sleeping_tags)
+        if "weights" in woken and self.backup is not None:  # cumem.py:346-357: the CPU copy comes back
+            for k, v in self.backup.items():
+                self.model.params[k].copy_(v)
+        self.sleeping_tags -= woken
+        return not self.sleeping_tags
 
-    def reset_prefix_cache(self):
+    def reset_prefix_cache(self, reset_running_requests=False, reset_connector=False):
         self.calls.append(("reset_prefix_cache",))
+        return True
 
-    def collective_rpc(self, method, *args, **kwargs):
+    def collective_rpc(self, method, timeout=None, args=(), kwargs=None):
         self.calls.append(("collective_rpc", method))
 
 
 def install(monkeypatch):
     vllm = types.ModuleType("vllm")
-    vllm.LLM, vllm.SamplingParams = LLM, SamplingParams
+    vllm.LLM, vllm.SamplingParams, vllm.__version__ = LLM, SamplingParams, VERSION
     inputs = types.ModuleType("vllm.inputs")
     inputs.TokensPrompt = TokensPrompt
     vllm.inputs = inputs

@@ -1,22 +1,33 @@
-"""The vLLM backend against a fake engine that mimics the exact vLLM 0.10.2 API it calls
-(tests/fake_vllm.py): weight names and shapes, tied embeddings, the order of sleep, wake, load
-and reset, served weights never stale, and the conversion of vLLM's outputs.
+"""The vLLM backend against a fake engine written from the vLLM 0.33.0 source (tests/fake_vllm.py):
+the install pins, weight names and shapes, tied embeddings, the order of sleep, wake, load and reset,
+served weights never stale, the conversion of vLLM's outputs, one sample stream per (rank, prompt,
+sample), and the fake's own vLLM behaviours, one test each (the `test_fake_*` tests).
 
 Run: pytest tests/test_vllm_sampler.py
 """
 
+import ast
+import os
+import random
+
+import numpy as np
 import pytest
 import torch
 
 import fake_vllm
-from conftest import run
-from minigdpo import policy
+from conftest import ROOT, run
+from minigdpo import config, policy, vllm_sampler
 from minigdpo.sampler import SamplingParams
 from minigdpo.vllm_sampler import VLLMSampler, vllm_name
+
+STOP = 256  # tiny-random's <|im_end|>, its EOS
 
 
 @pytest.fixture
 def vllm(monkeypatch):
+    for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):  # restored after each test
+        monkeypatch.setenv(key, "")
+        monkeypatch.delenv(key)
     return fake_vllm.install(monkeypatch)
 
 
@@ -35,9 +46,73 @@ def tiny_qwen2(tmp_path, tied):
     return path
 
 
-def make(path):
-    return VLLMSampler(path, policy.load_tokenizer(path), [256], seed=3, gpu_memory_utilization=0.3, max_model_len=128)
+def make(path=None):
+    path = path or policy.resolve_model("tiny-random")
+    return VLLMSampler(path, policy.load_tokenizer(path), [STOP], seed=3, gpu_memory_utilization=0.3, max_model_len=128)
 
+
+def forced(pick):
+    """Toy-LM logits that all but force the token pick(prompt, output) at every step."""
+    def logits(prompt, output):
+        return torch.zeros(STOP + 3).index_fill_(0, torch.tensor([pick(prompt, output)]), 40.0)
+    return logits
+
+
+# Install --------------------------------------------------------------------------------------
+
+def setup_requirements():
+    tree = ast.parse(open(os.path.join(ROOT, "setup.py")).read())
+    call = next(n for n in ast.walk(tree) if isinstance(n, ast.Call) and getattr(n.func, "id", "") == "setup")
+    kw = {k.arg: k.value for k in call.keywords}
+    return ast.literal_eval(kw["install_requires"]), ast.literal_eval(kw["extras_require"])
+
+
+def bounds(specifiers):
+    """(lowest allowed, first excluded) versions of a >=/</== specifier set."""
+    from packaging.version import Version
+
+    lo = hi = None
+    for s in specifiers:
+        v = Version(s.version)
+        if s.operator in (">=", "=="):
+            lo = v if lo is None else max(lo, v)
+        if s.operator == "<":
+            hi = v if hi is None else min(hi, v)
+        if s.operator == "==":
+            hi = Version(f"{v}.post999999")
+    return lo, hi
+
+
+def test_install_resolves_to_the_stack_the_sampler_is_written_for():
+    import transformers
+    from packaging.requirements import Requirement
+    from packaging.specifiers import SpecifierSet
+    from packaging.version import Version
+
+    requires, extras = setup_requirements()
+    pin = f"vllm=={vllm_sampler.VLLM_VERSION}"
+    assert extras["vllm"] == [pin]
+    assert pin in extras["gpu"] and "datasets" in extras["gpu"]  # the default recipe reads GSM8K from the hub
+    ours = {Requirement(r).name: Requirement(r).specifier for r in requires}
+    theirs = {name: SpecifierSet(spec) for name, spec in vllm_sampler.VLLM_REQUIRES.items()}
+    # transformers: a closed range inside vLLM's, so `.[test]` and `.[vllm]` resolve to the same release
+    (lo, hi), (vlo, vhi) = bounds(ours["transformers"]), bounds(theirs["transformers"])
+    assert None not in (lo, hi) and vlo <= lo and hi <= vhi, (ours["transformers"], theirs["transformers"])
+    assert ours["transformers"].contains(transformers.__version__)  # the stack the tests run on
+    # torch: CI's 2.13 and the one vLLM pins
+    assert ours["torch"].contains("2.13.0") and ours["torch"].contains(str(bounds(theirs["torch"])[0]))
+    assert Version(torch.__version__).release[:2] in ((2, 13), (2, 14))
+
+
+def test_top_p_below_one_with_vllm_is_refused_before_any_model_loads():
+    for sampler in ("vllm", "auto"):
+        with pytest.raises(config.ConfigError, match="--top-p 0.9 needs --sampler hf"):
+            config.validate(config.Config(sampler=sampler, top_p=0.9))
+    config.validate(config.Config(sampler="hf", top_p=0.9))
+    config.validate(config.Config(sampler="vllm", top_p=1.0))
+
+
+# Weights --------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("arch,tied", [("llama", True), ("qwen2", True), ("qwen2", False)])
 def test_streamed_names_and_shapes_equal_the_hf_state_dict(vllm, process_group, tmp_path, arch, tied):
@@ -70,63 +145,39 @@ def test_wrapper_prefixes_are_stripped():
 
 
 def test_engine_arguments(vllm):
-    make(policy.resolve_model("tiny-random"))
+    make()
     kw = fake_vllm.LLM.instances[-1].kwargs
     assert kw["enable_sleep_mode"] and kw["distributed_executor_backend"] == "external_launcher"
     assert kw["logprobs_mode"] == "processed_logprobs" and kw["seed"] == 3 and kw["gpu_memory_utilization"] == 0.3
     assert kw["tensor_parallel_size"] == 1 and kw["max_model_len"] == 128
 
 
-def script(engine):
-    engine.script = [([5, 6, 256], [-0.5, -1.0, -0.25], "stop"), ([7, 8, 9, 10], [-2.0, -0.1, -0.3, -0.4], "length")]
-
-
-def test_output_conversion(vllm):
-    path = policy.resolve_model("tiny-random")
-    sampler = make(path)
-    script(fake_vllm.LLM.instances[-1])
-    groups = sampler.generate([[1, 2, 3], [4]], 2, SamplingParams(temperature=0.7, top_p=0.9, max_new_tokens=4, seed=11))
-    engine = fake_vllm.LLM.instances[-1]
-    sp = engine.last_params
-    assert (sp.n, sp.temperature, sp.top_p, sp.max_tokens, sp.logprobs, sp.seed, sp.stop_token_ids) == (2, 0.7, 0.9, 4, 0, 11, [256])
-    assert [len(g) for g in groups] == [2, 2]
-    a, b = groups[0]
-    assert a.token_ids == [5, 6, 256] and a.logprobs == [-0.5, -1.0, -0.25] and a.finish_reason == "stop"
-    assert b.token_ids == [7, 8, 9, 10] and b.logprobs == [-2.0, -0.1, -0.3, -0.4] and b.finish_reason == "length"
-    assert a.text == policy.load_tokenizer(path).decode([5, 6, 256], skip_special_tokens=True)
-
-
 def test_order_of_sleep_wake_load_and_reset_over_two_steps(vllm, process_group):
-    path = policy.resolve_model("tiny-random")
-    model = policy.build(path, process_group, torch.float32)
-    sampler = make(path)
+    model = policy.build(policy.resolve_model("tiny-random"), process_group, torch.float32)
+    sampler = make()
     engine = fake_vllm.LLM.instances[-1]
-    script(engine)
     for _ in range(2):  # what train.py does each step
         sampler.wake()
-        sampler.generate([[1, 2]], 2, SamplingParams())
+        sampler.generate([[1, 2]], 2, SamplingParams(max_new_tokens=2))
         sampler.sleep()
         sampler.load_weights(policy.hf_state(model))
     calls = [c for c in engine.calls if c[0] != "load"]
-    assert calls == [("generate", 1, 2), ("sleep", 1), ("wake_up", ("weights",)), ("reset_prefix_cache",),
-                     ("wake_up", ("kv_cache",)), ("generate", 1, 2), ("sleep", 1), ("wake_up", ("weights",)),
-                     ("reset_prefix_cache",)]
+    step = [("sleep", 1), ("reset_prefix_cache",), ("wake_up", ("weights",)), ("reset_prefix_cache",)]
+    assert calls == [("generate", 1, 2)] + step + [("wake_up", ("kv_cache",)), ("generate", 1, 2)] + step
     first_load = next(i for i, c in enumerate(engine.calls) if c[0] == "load")
     assert engine.calls[first_load - 1] == ("wake_up", ("weights",))  # weights awake before any write
     assert not any(c[0] == "collective_rpc" for c in engine.calls)   # never reloads from disk
 
 
 def test_the_engine_serves_the_synced_weights_not_a_stale_copy(vllm, process_group):
-    path = policy.resolve_model("tiny-random")
-    model = policy.build(path, process_group, torch.float32)
+    model = policy.build(policy.resolve_model("tiny-random"), process_group, torch.float32)
     opt = policy.optimizer(model, 0.1, 0.0)
-    sampler = make(path)
+    sampler = make()
     engine = fake_vllm.LLM.instances[-1]
-    script(engine)
     sampler.load_weights(policy.hf_state(model))
     for step in range(2):
         sampler.wake()
-        sampler.generate([[1, 2]], 1, SamplingParams())
+        sampler.generate([[1, 2]], 1, SamplingParams(max_new_tokens=2))
         sampler.sleep()
         for p in model.parameters():  # an "update"
             p.grad = torch.ones_like(p)
@@ -138,9 +189,176 @@ def test_the_engine_serves_the_synced_weights_not_a_stale_copy(vllm, process_gro
         torch.testing.assert_close(engine.model.params["model.norm.weight"], live["model.norm.weight"])
 
 
+def test_cuda_cache_is_emptied_before_every_wake_up(vllm, process_group, monkeypatch):
+    model = policy.build(policy.resolve_model("tiny-random"), process_group, torch.float32)
+    sampler = make()
+    engine = fake_vllm.LLM.instances[-1]
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: engine.calls.append(("empty_cache",)))
+    sampler.sleep()
+    sampler.load_weights(policy.hf_state(model))
+    sampler.wake()
+    wakes = [i for i, c in enumerate(engine.calls) if c[0] == "wake_up"]
+    assert len(wakes) == 2 and all(engine.calls[i - 1] == ("empty_cache",) for i in wakes)
+
+
+def test_building_the_engine_leaves_the_trainer_rngs_alone(vllm, monkeypatch):
+    cuda = {"state": torch.tensor([7])}  # a stand-in CUDA generator, so that its state is checked on CPU too
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "manual_seed_all", lambda seed: cuda.update(state=torch.tensor([seed])))
+    monkeypatch.setattr(torch.cuda, "get_rng_state_all", lambda: [cuda["state"].clone()])
+    monkeypatch.setattr(torch.cuda, "set_rng_state_all", lambda states: cuda.update(state=states[0]))
+    random.seed(5)
+    np.random.seed(5)
+    torch.manual_seed(5)
+    cuda["state"] = torch.tensor([7])
+    before = random.getstate(), np.random.get_state()[1].copy(), torch.get_rng_state()
+    make()
+    assert fake_vllm.LLM.instances[-1].kwargs["seed"] == 3  # the engine did reseed everything to 3 ...
+    assert random.getstate() == before[0]                    # ... and the trainer's states came back
+    assert np.array_equal(np.random.get_state()[1], before[1])
+    assert torch.equal(torch.get_rng_state(), before[2])
+    assert int(cuda["state"]) == 7
+
+
+# Sampling -------------------------------------------------------------------------------------
+
+def test_output_conversion(vllm):
+    sampler = make()
+    engine = fake_vllm.LLM.instances[-1]
+    engine.logits = forced(lambda prompt, out: STOP if prompt[0] == 1 and len(out) == 2 else 5 + len(out))
+    groups = sampler.generate([[1, 2, 3], [4]], 2, SamplingParams(temperature=0.7, max_new_tokens=4, seed=11))
+    sp = engine.last_params
+    assert [(p.n, p.temperature, p.top_p, p.max_tokens, p.logprobs, p.stop_token_ids, p.ignore_eos) for p in sp] == \
+        [(2, 0.7, 1.0, 4, 0, [STOP], False)] * 2
+    assert [p.seed for p in sp] == [44, 46]  # (11 * 2 + i) * 2
+    assert [len(g) for g in groups] == [2, 2]
+    for group, out in zip(groups, engine.last_outputs):
+        for c, o in zip(group, out.outputs):
+            assert c.token_ids == o.token_ids and c.logprobs == [step[t].logprob for t, step in zip(o.token_ids, o.logprobs)]
+    a, b = groups[0][0], groups[1][0]
+    assert a.token_ids == [5, 6, STOP] and a.finish_reason == "stop"
+    assert b.token_ids == [5, 6, 7, 8] and b.finish_reason == "length"
+    assert a.text == policy.load_tokenizer(policy.resolve_model("tiny-random")).decode([5, 6, STOP], skip_special_tokens=True)
+
+
+def test_512_completions_on_8_ranks_draw_512_distinct_streams(vllm):
+    sampler = make()
+    engine = fake_vllm.LLM.instances[-1]
+    seed, B, G = 42, 4, 16  # the paper's recipe: 32 prompts x G=16 over 8 ranks
+    for step in (1, 2):
+        for rank in range(8):
+            params = SamplingParams(max_new_tokens=1, seed=seed * 1_000_003 + step * 1_009 + rank)  # as train.py
+            sampler.generate([[1 + i] for i in range(B)], G, params)
+        streams = {s for _, _, s in engine.streams}
+        assert len(engine.streams) == step * 512 and len(streams) == step * 512  # across steps too
+
+
+def test_ignore_eos_passes_no_stop_ids_and_runs_to_max_new_tokens(vllm):
+    sampler = make()
+    engine = fake_vllm.LLM.instances[-1]
+    engine.logits = forced(lambda prompt, out: STOP)
+    (c,), = sampler.generate([[1]], 1, SamplingParams(max_new_tokens=5, ignore_eos=True))
+    assert engine.last_params[0].stop_token_ids == []
+    assert c.token_ids == [STOP] * 5 and c.finish_reason == "length"
+    (c,), = sampler.generate([[1]], 1, SamplingParams(max_new_tokens=5))
+    assert c.token_ids == [STOP] and c.finish_reason == "stop"
+
+
 def test_sampler_vllm_without_vllm_or_cuda_is_one_line(tmp_path):
     proc = run(["train.py", "--preset", "smoke", "--sampler", "vllm", "--output-dir", str(tmp_path)], check=False)
     assert proc.returncode == 2
     err = proc.stderr.strip()
     assert len(err.splitlines()) == 1 and "Traceback" not in err
     assert "--sampler vllm needs" in err
+
+
+# The fake engine's vLLM behaviours ------------------------------------------------------------
+
+def fake_engine(vllm, **kwargs):
+    return vllm.LLM(policy.resolve_model("tiny-random"), **kwargs)
+
+
+def one(vllm, llm, prompt=(1, 2, 3), **sampling):
+    (out,) = llm.generate([vllm.inputs.TokensPrompt(prompt_token_ids=list(prompt))],
+                          vllm.SamplingParams(logprobs=0, **sampling), use_tqdm=False)
+    return out.outputs
+
+
+def test_fake_sample_j_draws_from_stream_seed_plus_j(vllm):
+    llm = fake_engine(vllm)
+    a = [c.token_ids for c in one(vllm, llm, n=3, seed=100, max_tokens=6)]
+    b = [c.token_ids for c in one(vllm, llm, n=2, seed=101, max_tokens=6)]
+    assert b == a[1:]                      # seed 101's samples 0 and 1 are seed 100's samples 1 and 2
+    assert len({tuple(t) for t in a}) == 3
+
+
+def test_fake_stop_ids_stop_even_with_ignore_eos(vllm):
+    llm = fake_engine(vllm)
+    llm.logits = forced(lambda prompt, out: STOP)
+    (c,) = one(vllm, llm, max_tokens=4, ignore_eos=True, stop_token_ids=[STOP])
+    assert (c.token_ids, c.finish_reason, c.stop_reason) == ([STOP], "stop", STOP)
+    (c,) = one(vllm, llm, max_tokens=4, ignore_eos=True)
+    assert (c.token_ids, c.finish_reason) == ([STOP] * 4, "length")
+    (c,) = one(vllm, llm, max_tokens=4)    # EOS stops only without ignore_eos
+    assert (c.token_ids, c.finish_reason, c.stop_reason) == ([STOP], "stop", None)
+
+
+def test_fake_logprobs_zero_gives_one_entry_per_generated_token(vllm):
+    (c,) = one(vllm, fake_engine(vllm), max_tokens=7, seed=1)
+    assert len(c.logprobs) == len(c.token_ids) == 7
+    assert all(list(step) == [t] and isinstance(step[t], fake_vllm.Logprob) for t, step in zip(c.token_ids, c.logprobs))
+
+
+def test_fake_processed_logprobs_are_renormalised_after_top_p(vllm):
+    llm = fake_engine(vllm, logprobs_mode="processed_logprobs")
+    raw = torch.randn(STOP + 3, generator=torch.Generator().manual_seed(4)) * 3
+    llm.logits = lambda prompt, out: raw
+    scaled = raw / 0.7
+    probs = scaled.softmax(-1)
+    # vLLM's nucleus: a token stays when the tokens no more likely than it carry more than 1 - top_p
+    keep = torch.tensor([bool(probs[probs <= probs[u]].sum() > 1 - 0.5) for u in range(len(raw))])
+    (c,) = one(vllm, llm, max_tokens=20, seed=2, temperature=0.7, top_p=0.5)
+    for t, step in zip(c.token_ids, c.logprobs):
+        assert keep[t]
+        expected = scaled[t] - scaled[keep].logsumexp(-1)
+        assert step[t].logprob == pytest.approx(float(expected), abs=1e-5)
+        assert step[t].logprob > float(scaled.log_softmax(-1)[t])  # above the trainer's full-vocabulary value
+    (c,) = one(vllm, llm, max_tokens=5, seed=2, temperature=0.7)  # top_p = 1: the trainer's log-probs exactly
+    for t, step in zip(c.token_ids, c.logprobs):
+        assert step[t].logprob == pytest.approx(float(scaled.log_softmax(-1)[t]), abs=1e-5)
+
+
+def test_fake_sleep_also_resets_the_prefix_cache(vllm):
+    llm = fake_engine(vllm, enable_sleep_mode=True)
+    llm.sleep(level=1)
+    llm.sleep(level=1)  # already asleep: the weights stay put, the prefix cache is reset again
+    assert llm.calls == [("sleep", 1), ("reset_prefix_cache",)] * 2 and llm.sleeping_tags == {"weights", "kv_cache"}
+
+
+def test_fake_wake_up_on_a_tag_that_is_not_asleep_does_nothing(vllm):
+    llm = fake_engine(vllm, enable_sleep_mode=True)
+    norm = llm.model.params["model.norm.weight"]
+    assert llm.wake_up(tags=["weights"]) is True       # nothing asleep
+    llm.sleep(level=1)
+    assert llm.wake_up(tags=["weights"]) is False      # weights back (from the CPU copy), KV cache still asleep
+    norm.fill_(3.0)                                    # a weight written after waking
+    llm.wake_up(tags=["weights"])                      # not asleep: the CPU copy is not restored again
+    assert bool((norm == 3.0).all()) and llm.sleeping_tags == {"kv_cache"}
+    assert llm.wake_up(tags=["weights", "kv_cache"]) is False and llm.sleeping_tags == {"kv_cache"}  # whole call ignored
+    with pytest.raises(AssertionError, match="paused"):
+        one(vllm, llm, max_tokens=1)
+    assert llm.wake_up(tags=["kv_cache"]) is True
+
+
+def test_fake_external_launcher_needs_rank_and_a_default_process_group(vllm, monkeypatch):
+    launcher = dict(distributed_executor_backend="external_launcher")
+    with pytest.raises(KeyError):
+        fake_engine(vllm, **launcher)
+    monkeypatch.setenv("RANK", "1"), monkeypatch.setenv("LOCAL_RANK", "1"), monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setattr(torch.distributed, "is_initialized", lambda: False)
+    with pytest.raises(RuntimeError, match="no default process group"):
+        fake_engine(vllm, **launcher)
+    with pytest.raises(RuntimeError, match="dist.init"):  # the sampler says so before vLLM would hang
+        make()
+    monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)
+    fake_engine(vllm, **launcher)  # joins the trainer's group
