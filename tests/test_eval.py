@@ -162,3 +162,13 @@ def test_paired_bootstrap_exact_cases():
     zero = (torch.zeros(2, dtype=torch.float64), torch.ones(2, dtype=torch.float64))
     assert evaluate.paired_bootstrap(stats["reward/x"], zero)[0] == pytest.approx(2 / 3)
     assert evaluate.summarise("arith", ["x"], rewards, lengths, trunc, 2)["reward/x"] == pytest.approx(2 / 3)
+
+
+@pytest.mark.parametrize("difficulty", [1, 2])
+def test_arith_held_out_split_shares_no_problem_with_training(difficulty):
+    from minigdpo import data
+
+    question = lambda ex: ex["messages"][-1]["content"]  # noqa: E731
+    train = {question(ex) for ex in data.load_task("arith", split="train", arith_difficulty=difficulty).examples}
+    test = data.load_task("arith", split="test", arith_difficulty=difficulty).examples
+    assert len(test) >= 1000 and not any(question(ex) in train for ex in test)
