@@ -10,11 +10,28 @@ format rate, pass@k and length statistics, plus the task's own figures (the pape
 | math_length | exceed ratio: completions over the length limit             |
 | code        | pass rate, bug ratio, exceed ratio (the paper's Table 5)    |
 
-It writes every completion to OUT/completions.jsonl and the figures to OUT/summary.json.
+A minigdpo checkpoint (its hf/ directory, or the step directory) carries its run's config in
+trainer.json. eval.py takes from it every task setting not given on the command line: task,
+arith difficulty, prompt and completion lengths, length limit and unit, and answer format (which,
+with the task, fixes the system prompt: no other system prompt setting exists). It prints which
+settings came from the run. The data set is not taken: a run's training file is not a test set.
 
+--baseline MODEL evaluates a second model on the same prompts with the same settings and seed,
+and prints the two side by side: each metric, and model - baseline with a 95% paired bootstrap
+interval over prompts (10,000 resamples, seed 0; see paired_bootstrap).
+
+It writes every completion to OUT/completions.jsonl (and OUT/completions_baseline.jsonl) and the
+figures to OUT/summary.json.
+
+  # The CPU demo's checkpoint against the model it started from, on 128 held-out problems
+  # (train.py --preset cpu-demo runs this itself at the end): task arith, difficulty 1 and
+  # 256/48 prompt/completion tokens come from the checkpoint.
+  python eval.py --model runs/cpu-demo/checkpoints/step_000012/hf --baseline HuggingFaceTB/SmolLM2-135M-Instruct --limit 128
   python eval.py --model runs/gdpo/checkpoints/step_000050/hf --task gsm8k --data ../shared/data/gsm8k/test.jsonl
   python eval.py --model Qwen/Qwen2.5-1.5B-Instruct --task gsm8k --n 8 --temperature 0.7   # pass@1..8
   python eval.py --model tiny-random --task arith --limit 8                                   # offline, seconds
+
+Shape legend: P prompts, n samples per prompt, R rewards, K bootstrap resamples.
 """
 
 import argparse
@@ -26,7 +43,8 @@ import time
 
 import torch
 
-from minigdpo import data, policy
+from minigdpo import checkpoint, data, policy
+from minigdpo.config import Config
 from minigdpo.rewards import RewardScorer
 from minigdpo.sampler import SamplingParams, SamplerUnavailable, make_sampler
 
@@ -39,6 +57,13 @@ TASK_METRICS = {
     "code": ("pass", 1.0, None),
 }
 
+# The task settings a training run fixes, with the defaults used when neither the command line nor
+# a checkpoint gives them: train.py's own defaults, so that a model trained with them is evaluated alike.
+RUN_SETTINGS = {name: getattr(Config, name) for name in
+                ("task", "arith_difficulty", "max_prompt_len", "max_new_tokens", "length_limit", "length_unit",
+                 "answer_format")}
+RESAMPLES = 10_000  # bootstrap resamples behind each --baseline interval
+
 
 def pass_at_k(n, c, k):
     """Unbiased pass@k for c correct among n samples: 1 - C(n-c, k) / C(n, k)."""
@@ -47,75 +72,120 @@ def pass_at_k(n, c, k):
     return 1.0 - math.comb(n - c, k) / math.comb(n, k)
 
 
-def summarise(task, names, rewards, lengths, truncated, n):
-    """Figures from (P, n, R) rewards and (P, n) lengths / truncation flags."""
-    out = {"prompts": rewards.shape[0], "samples_per_prompt": n}
+def prompt_stats(task, names, rewards, lengths, truncated, n):
+    """Each mean-type figure as per-prompt (sums (P,), counts (P,)) from (P, n, R) rewards and (P, n) lengths.
+
+    A figure is sum(sums) / sum(counts): a mean over samples, NaN rewards left out. Keeping the
+    two apart lets the bootstrap resample prompts and recompute exactly the figure printed.
+    """
+    P = rewards.shape[0]
+    ones = torch.full((P,), float(n), dtype=torch.float64)             # (P,) samples per prompt
+
+    def per(x):                                                         # (P, n) -> (P,)
+        return x.double().sum(1)
+
+    out = {}
     for k, name in enumerate(names):
-        col = rewards[..., k]
-        out[f"reward/{name}"] = col[~col.isnan()].mean().item() if (~col.isnan()).any() else float("nan")
+        col = rewards[..., k]                                           # (P, n)
+        out[f"reward/{name}"] = (per(col.nan_to_num(0)), per(~col.isnan()))
     solved_name, threshold, format_name = TASK_METRICS[task]
     if solved_name in names:
-        solved = (rewards[..., names.index(solved_name)] >= threshold)      # (P, n), NaN counts as unsolved
-        out["accuracy"] = solved.float().mean().item()
+        solved = rewards[..., names.index(solved_name)] >= threshold      # (P, n), NaN counts as unsolved
+        out["accuracy"] = (per(solved), ones)
         counts = solved.sum(1).tolist()
         k = 1
         while k <= n:
-            out[f"pass@{k}"] = sum(pass_at_k(n, c, k) for c in counts) / len(counts)
+            out[f"pass@{k}"] = (torch.tensor([pass_at_k(n, c, k) for c in counts], dtype=torch.float64),
+                                torch.ones(P, dtype=torch.float64))
             k *= 2
     if format_name in names:
-        out["format_rate"] = (rewards[..., names.index(format_name)] >= 1).float().mean().item()
-    if task == "toolcall" and "tool_correct" in names:
-        out["exact_match_rate"] = out.get("accuracy")
+        out["format_rate"] = (per(rewards[..., names.index(format_name)] >= 1), ones)
+    if task == "toolcall" and "accuracy" in out:
+        out["exact_match_rate"] = out["accuracy"]
     if "length_ok" in names:
-        out["exceed_ratio"] = (rewards[..., names.index("length_ok")] < 1).float().mean().item()
+        out["exceed_ratio"] = (per(rewards[..., names.index("length_ok")] < 1), ones)
     if task == "code":
         if "pass" in names:
-            out["pass_rate"] = rewards[..., names.index("pass")].nan_to_num(0).mean().item()
+            out["pass_rate"] = (per(rewards[..., names.index("pass")].nan_to_num(0)), ones)
         if "no_bug" in names:
-            out["bug_ratio"] = (rewards[..., names.index("no_bug")] < 1).float().mean().item()
-    out["length/mean"] = lengths.float().mean().item()
-    out["length/median"] = lengths.float().median().item()
-    out["length/max"] = lengths.max().item()
-    out["length/truncated_frac"] = truncated.float().mean().item()
+            out["bug_ratio"] = (per(rewards[..., names.index("no_bug")] < 1), ones)
+    out["length/mean"] = (per(lengths), ones)
+    out["length/truncated_frac"] = (per(truncated), ones)
     return out
 
 
-def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", required=True, help="hub name, local directory, checkpoint's hf/ directory, or tiny-random")
-    p.add_argument("--task", default="gsm8k", choices=sorted(TASK_METRICS))
-    p.add_argument("--data", default="", help="local file or hub dataset; empty: the task's default")
-    p.add_argument("--split", default="test", help="split for hub datasets (and arith's held-out set)")
-    p.add_argument("--rewards", default="", help="comma-separated rewards; empty: the task's default")
-    p.add_argument("--n", type=int, default=1, help="samples per prompt (pass@k for k up to n)")
-    p.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--max-new-tokens", type=int, default=1024)
-    p.add_argument("--max-prompt-len", type=int, default=512)
-    p.add_argument("--limit", type=int, default=0, help="evaluate only the first N prompts (0: all)")
-    p.add_argument("--batch-size", type=int, default=16, help="prompts per generate call")
-    p.add_argument("--length-limit", type=int, default=4000)
-    p.add_argument("--length-unit", default="tokens", choices=["tokens", "words"])
-    p.add_argument("--answer-format", default="answer", choices=["answer", "boxed"])
-    p.add_argument("--arith-difficulty", type=int, default=2)
-    p.add_argument("--sampler", default="auto", choices=["auto", "hf", "vllm"])
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--output", default="", help="output directory (default: runs/eval/<task>)")
-    args = p.parse_args(argv)
-    if args.n < 1 or args.batch_size < 1 or args.max_new_tokens < 1 or args.temperature < 0:
-        p.error("--n, --batch-size and --max-new-tokens must be >= 1 and --temperature >= 0")
-    if args.n > 1 and args.temperature == 0:
-        p.error("--n > 1 needs --temperature > 0 (greedy samples are all the same)")
+def summarise(task, names, rewards, lengths, truncated, n):
+    """Figures from (P, n, R) rewards and (P, n) lengths / truncation flags."""
+    out = {"prompts": rewards.shape[0], "samples_per_prompt": n}
+    for key, (sums, counts) in prompt_stats(task, names, rewards, lengths, truncated, n).items():
+        out[key] = (sums.sum() / counts.sum()).item()  # 0/0 = NaN: a reward that never applied
+    out["length/median"] = lengths.float().median().item()
+    out["length/max"] = lengths.max().item()
+    return out
 
-    extra = {"length_limit": args.length_limit, "length_unit": args.length_unit, "answer_format": args.answer_format}
-    task = data.load_task(args.task, args.data, args.split, False, args.arith_difficulty, extra)
-    examples = task.examples[:args.limit] if args.limit else task.examples
-    names = [r for r in args.rewards.split(",") if r] or task.rewards
+
+def paired_bootstrap(model, baseline, resamples=RESAMPLES, seed=0, level=0.95):
+    """model - baseline for one figure, with a percentile bootstrap interval over paired prompts.
+
+    model, baseline: per-prompt (sums (P,), counts (P,)) on the same P prompts (prompt_stats).
+    The estimate is d = sum(s_m) / sum(c_m) - sum(s_b) / sum(c_b), the difference of the two printed
+    figures. Each of K resamples draws P prompt indices with replacement, the same indices for both
+    models (paired: how hard a prompt is cancels out of d), and recomputes d. The interval is the
+    (1 - level)/2 and (1 + level)/2 quantiles of the K values. A fixed seed makes it reproducible.
+    Returns (d, low, high).
+    """
+    (sm, cm), (sb, cb) = model, baseline
+    P = sm.numel()
+    generator = torch.Generator().manual_seed(seed)
+    diffs = []
+    for start in range(0, resamples, 1000):  # chunks keep the (K, P) index matrix small for large P
+        idx = torch.randint(P, (min(1000, resamples - start), P), generator=generator)   # (k, P)
+        diffs.append(sm[idx].sum(1) / cm[idx].sum(1) - sb[idx].sum(1) / cb[idx].sum(1))  # (k,)
+    diffs = torch.cat(diffs)                                                              # (K,)
+    q = torch.tensor([(1 - level) / 2, (1 + level) / 2], dtype=diffs.dtype)
+    low, high = torch.nanquantile(diffs, q).tolist()  # a resample whose figure is 0/0 is left out
+    return (sm.sum() / cm.sum() - sb.sum() / cb.sum()).item(), low, high
+
+
+def checkpoint_run(model):
+    """(model path, the run's config dict) for a minigdpo checkpoint; (model, None) for anything else.
+
+    A checkpoint's hf/ directory sits beside trainer.json (minigdpo/checkpoint.py), so both the
+    hf/ directory and the step directory above it are recognised.
+    """
+    if os.path.isfile(os.path.join(model, "trainer.json")) and os.path.isdir(os.path.join(model, "hf")):
+        model = os.path.join(model, "hf")
+    path = os.path.join(os.path.dirname(os.path.normpath(model)), "trainer.json")
+    if not os.path.isdir(model) or not os.path.isfile(path):
+        return model, None
+    try:
+        with open(path) as f:
+            return model, json.load(f)["config"]
+    except (json.JSONDecodeError, KeyError, TypeError) as e:
+        raise ValueError(f"{path}: not a minigdpo trainer.json ({e})") from None
+
+
+def fill_settings(args, run):
+    """Set every RUN_SETTINGS value the command line left unset: from the run's config, else the default.
+
+    Returns the names taken from the run."""
+    taken = []
+    for name, default in RUN_SETTINGS.items():
+        if getattr(args, name) is None:
+            from_run = run is not None and name in run
+            setattr(args, name, run[name] if from_run else default)
+            taken += [name] if from_run else []
+    return taken
+
+
+def evaluate(model, args, examples, names, out_file):
+    """Sample, score and summarise one model on `examples`; each completion goes to out_file.
+
+    Returns (summary, prompt_stats)."""
     scorer = RewardScorer(names)
-
     device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    path = policy.resolve_model(args.model)
+    path = policy.resolve_model(model)
     tokenizer = policy.load_tokenizer(path)
     from transformers import AutoConfig, GenerationConfig
 
@@ -128,11 +198,9 @@ def main(argv=None):
                            max_model_len=args.max_prompt_len + args.max_new_tokens)
     params = SamplingParams(args.temperature, args.top_p, args.max_new_tokens, seed=args.seed)
 
-    out_dir = args.output or os.path.join("runs", "eval", args.task)
-    os.makedirs(out_dir, exist_ok=True)
     all_rewards, lengths, truncated = [], [], []
     t0 = time.perf_counter()
-    with open(os.path.join(out_dir, "completions.jsonl"), "w") as f:
+    with open(out_file, "w") as f:
         for s in range(0, len(examples), args.batch_size):
             batch = examples[s:s + args.batch_size]
             prompts = [data.encode_prompt(tokenizer, ex["messages"], args.max_prompt_len) for ex in batch]
@@ -143,19 +211,107 @@ def main(argv=None):
                 f.write(json.dumps({"prompt_index": s + i // args.n, "sample": i % args.n, "completion": c.text,
                                     "tokens": len(c.token_ids), "finish_reason": c.finish_reason,
                                     "rewards": {n: (None if math.isnan(v) else v) for n, v in zip(names, rewards[i].tolist())}}) + "\n")
-            all_rewards.append(rewards.view(len(batch), args.n, len(names)))
+            all_rewards.append(rewards.view(len(batch), args.n, len(names)))                   # (b, n, R)
             lengths.append(torch.tensor([len(c.token_ids) for c in completions]).view(len(batch), args.n))
             truncated.append(torch.tensor([c.finish_reason == "length" for c in completions]).view(len(batch), args.n))
-            print(f"evaluated {min(s + args.batch_size, len(examples))}/{len(examples)} prompts", file=sys.stderr)
-    summary = summarise(args.task, names, torch.cat(all_rewards), torch.cat(lengths), torch.cat(truncated), args.n)
-    summary["seconds"] = time.perf_counter() - t0
-    summary["model"] = args.model
+            print(f"{model}: evaluated {min(s + args.batch_size, len(examples))}/{len(examples)} prompts", file=sys.stderr)
+    figures = (args.task, names, torch.cat(all_rewards), torch.cat(lengths), torch.cat(truncated), args.n)
+    summary = summarise(*figures) | {"seconds": time.perf_counter() - t0, "model": model}
+    return summary, prompt_stats(*figures)
+
+
+def compare(model, baseline, resamples=RESAMPLES, seed=0):
+    """{figure: (baseline, model, diff, low, high)} from two (summary, prompt_stats) results on the same prompts."""
+    (sm, stats_m), (sb, stats_b) = model, baseline
+    return {k: (sb[k], sm[k], *paired_bootstrap(stats_m[k], stats_b[k], resamples, seed)) for k in stats_m}
+
+
+def comparison_table(rows, model, baseline, prompts, n, temperature):
+    """The side-by-side table printed by --baseline (and at the end of the CPU demo)."""
+    sampling = "greedy" if temperature == 0 else f"temperature {temperature}"
+    lines = [f"model     {model}", f"baseline  {baseline}",
+             f"{prompts} prompts x {n} sample{'s' if n > 1 else ''}, {sampling}; diff = model - baseline, "
+             f"95% paired bootstrap interval over prompts ({RESAMPLES} resamples, seed 0)",
+             f"{'metric':<22} {'baseline':>9} {'model':>9} {'diff':>9}   95% interval"]
+    for k, (b, m, d, lo, hi) in rows.items():
+        lines.append(f"{k:<22} {b:>9.3f} {m:>9.3f} {d:>+9.3f}   [{lo:+.3f}, {hi:+.3f}]")
+    return "\n".join(lines)
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    run = "a checkpoint's run setting, else"  # help text of the settings a checkpoint can supply
+    p.add_argument("--model", required=True, help="hub name, local directory, checkpoint's hf/ directory, or tiny-random")
+    p.add_argument("--baseline", default="", help="a second model, evaluated the same way and compared with --model")
+    p.add_argument("--task", choices=sorted(TASK_METRICS), help=f"default: {run} {RUN_SETTINGS['task']}")
+    p.add_argument("--data", default="", help="local file or hub dataset; empty: the task's default")
+    p.add_argument("--split", default="test", help="split for hub datasets (and arith's held-out set)")
+    p.add_argument("--rewards", default="", help="comma-separated rewards; empty: the task's default")
+    p.add_argument("--n", type=int, default=1, help="samples per prompt (pass@k for k up to n)")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")
+    p.add_argument("--top-p", type=float, default=1.0)
+    for name in ("max_new_tokens", "max_prompt_len", "length_limit", "arith_difficulty"):
+        p.add_argument("--" + name.replace("_", "-"), type=int, help=f"default: {run} {RUN_SETTINGS[name]}")
+    p.add_argument("--length-unit", choices=["tokens", "words"], help=f"default: {run} {RUN_SETTINGS['length_unit']}")
+    p.add_argument("--answer-format", choices=["answer", "boxed"], help=f"default: {run} {RUN_SETTINGS['answer_format']}")
+    p.add_argument("--limit", type=int, default=0, help="evaluate only the first N prompts (0: all)")
+    p.add_argument("--batch-size", type=int, default=16, help="prompts per generate call")
+    p.add_argument("--sampler", default="auto", choices=["auto", "hf", "vllm"])
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--output", default="", help="output directory (default: runs/eval/<task>)")
+    args = p.parse_args(argv)
+    args.model, run_config = checkpoint_run(args.model)
+    args.baseline, baseline_config = checkpoint_run(args.baseline) if args.baseline else ("", None)
+    source, run_config = (args.model, run_config) if run_config is not None else (args.baseline, baseline_config)
+    explicit = [k for k in RUN_SETTINGS if getattr(args, k) is not None]
+    taken = fill_settings(args, run_config)
+    if taken:
+        print(f"settings from the run of {source}: " + " ".join(f"{k}={getattr(args, k)}" for k in taken)
+              + ("; from the command line: " + " ".join(f"{k}={getattr(args, k)}" for k in explicit) if explicit else ""))
+    if args.n < 1 or args.batch_size < 1 or args.max_new_tokens < 1 or args.temperature < 0 or args.limit < 0:
+        p.error("--n, --batch-size and --max-new-tokens must be >= 1, --temperature and --limit >= 0")
+    if args.n > 1 and args.temperature == 0:
+        p.error("--n > 1 needs --temperature > 0 (greedy samples are all the same)")
+    return args
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    extra = {"length_limit": args.length_limit, "length_unit": args.length_unit, "answer_format": args.answer_format}
+    task = data.load_task(args.task, args.data, args.split, False, args.arith_difficulty, extra)
+    examples = task.examples[:args.limit] if args.limit else task.examples
+    names = [r for r in args.rewards.split(",") if r] or task.rewards
+    out_dir = args.output or os.path.join("runs", "eval", args.task)
+    os.makedirs(out_dir, exist_ok=True)
+
+    result = evaluate(args.model, args, examples, names, os.path.join(out_dir, "completions.jsonl"))
+    if args.baseline:
+        base = evaluate(args.baseline, args, examples, names, os.path.join(out_dir, "completions_baseline.jsonl"))
+        rows = compare(result, base)
+        summary = {"model": result[0], "baseline": base[0],
+                   "difference": {k: {"diff": d, "low": lo, "high": hi} for k, (_, _, d, lo, hi) in rows.items()},
+                   "interval": f"95% paired bootstrap over prompts, {RESAMPLES} resamples, seed 0"}
+        print(comparison_table(rows, args.model, args.baseline, len(examples), args.n, args.temperature))
+    else:
+        summary = result[0]
+        width = max(len(k) for k in summary)
+        print("\n".join(f"{k:<{width}}  {v:.4f}" if isinstance(v, float) else f"{k:<{width}}  {v}" for k, v in summary.items()))
     with open(os.path.join(out_dir, "summary.json"), "w") as f:
         json.dump(summary, f, indent=2)
-    width = max(len(k) for k in summary)
-    print("\n".join(f"{k:<{width}}  {v:.4f}" if isinstance(v, float) else f"{k:<{width}}  {v}" for k, v in summary.items()))
     print(f"wrote {out_dir}/completions.jsonl and summary.json")
     return summary
+
+
+def after_training(cfg):
+    """train.py's final check (cfg.final_eval > 0): the run's last checkpoint against the model it started from,
+    greedy, on the first cfg.final_eval problems of the task's held-out split. Rank 0 alone calls it."""
+    last = checkpoint.latest(cfg.output_dir)
+    if last is None:
+        print("final evaluation skipped: the run has no complete checkpoint")
+        return None
+    print(f"\nfinal evaluation: held-out {cfg.task} problems, the trained model against {cfg.model}")
+    return main(["--model", os.path.join(last, "hf"), "--baseline", cfg.model, "--limit", str(cfg.final_eval),
+                 "--sampler", cfg.sampler, "--output", os.path.join(cfg.output_dir, "final_eval")])
 
 
 if __name__ == "__main__":

@@ -249,6 +249,9 @@ def load_task(name, data="", split="train", skip_bad=False, arith_difficulty=2, 
     skipped, extra = 0, dict(extra or {})
     if name == "arith" and not data:
         examples = arith_examples(arith_difficulty, seed=1234 if split == "train" else 4321)
+        if split != "train":  # easy levels have few distinct problems: keep the held-out ones truly unseen
+            seen = {ex["messages"][-1]["content"] for ex in arith_examples(arith_difficulty, seed=1234)}
+            examples = [ex for ex in examples if ex["messages"][-1]["content"] not in seen]
     elif name == "code" and not data:  # the built-in set serves both training and evaluation offline
         examples = [code_example(p, extra) for p in PROBLEMS]
     else:
