@@ -191,7 +191,7 @@ BAD_VALUES = {  # every config field, with a value it must refuse (the test belo
     "vllm_gpu_memory_utilization": 1.0, "tis_cap": 0.5, "logp_gap_warn": 0.0, "length_limit": 0, "length_unit": "chars",
     "answer_format": "latex", "arith_difficulty": 7, "reward_timeout": 0.0, "skip_bad_rows": None, "dtype": "fp8",
     "grad_checkpointing": None, "ref_offload": None, "logprob_chunk": 0, "output_dir": "", "save_every": -1,
-    "keep_checkpoints": 0, "on_save_error": "ignore", "sharding": "zero3", "resume": None, "samples_every": -1, "wandb": None,
+    "keep_checkpoints": 0, "on_save_error": "ignore", "sharding": "zero3", "final_eval": -1, "resume": None, "samples_every": -1, "wandb": None,
 }
 CHECKED_ELSEWHERE = {  # fields whose bad values are only known once data, rewards or the machine are consulted
     "data": "a missing file (test_train)", "rewards": "an unknown name (test_train)",
