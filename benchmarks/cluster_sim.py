@@ -44,6 +44,30 @@ def torchrun(nnodes, node_rank, nproc, master_port, args):
             "--nproc_per_node", str(nproc), "--master_addr", "127.0.0.1", "--master_port", str(master_port)] + args
 
 
+def kill_tree(pid):
+    """SIGKILL a process and all its descendants. torchrun starts each rank in a session of its
+    own, so killing torchrun's process group would leave the ranks running, holding our pipes."""
+    children = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(entry))
+    todo, tree = [pid], []
+    while todo:
+        p = todo.pop()
+        tree.append(p)
+        todo += children.get(p, [])
+    for p in tree:
+        try:
+            os.kill(p, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
 def launch(commands, env=None, timeout=300):
     """Run the commands at once; returns ([exit code per command], seconds, [stderr]). A hang is exit 'hung'."""
     full = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT, **(env or {})}
@@ -57,7 +81,7 @@ def launch(commands, env=None, timeout=300):
             codes.append(p.returncode)
         except subprocess.TimeoutExpired:
             for q in procs:
-                os.killpg(q.pid, signal.SIGKILL)
+                kill_tree(q.pid)
             _, err = p.communicate()
             codes.append("hung")
         errs.append(err)

@@ -25,6 +25,30 @@ from minigdpo import dist
 SMOKE = ["--preset", "smoke", "--rewards", "tests.helpers:digit_frac,tests.helpers:vowel_frac,format"]
 
 
+def kill_tree(pid):
+    """SIGKILL a process and all its descendants. torchrun starts each rank in a session of its
+    own, so killing torchrun's process group would leave the ranks running, holding our pipes."""
+    children = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(entry))
+    todo, tree = [pid], []
+    while todo:
+        p = todo.pop()
+        tree.append(p)
+        todo += children.get(p, [])
+    for p in tree:
+        try:
+            os.kill(p, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
 def launch(commands, timeout=120, env=None):
     """Start every command at once (one per simulated node), wait for all, kill all at the deadline.
 
@@ -39,7 +63,7 @@ def launch(commands, timeout=120, env=None):
             out, err = p.communicate(timeout=max(1.0, timeout - (time.monotonic() - start)))
         except subprocess.TimeoutExpired:
             for q in procs:
-                os.killpg(q.pid, signal.SIGKILL)
+                kill_tree(q.pid)
             out, err = p.communicate()
             pytest.fail(f"hung past {timeout} s: {' '.join(p.args)}\n{out[-2000:]}\n{err[-3000:]}")
         results.append((p.returncode, out, err))
