@@ -76,6 +76,10 @@ def cleanup():
         tdist.destroy_process_group()
 
 
+def is_initialized():
+    return tdist.is_initialized()
+
+
 def rank():
     return tdist.get_rank() if tdist.is_initialized() else 0
 

@@ -47,6 +47,7 @@ import socket
 import numpy as np
 import torch
 
+from minigdpo import dist
 from minigdpo.sampler import Completion
 
 VLLM_VERSION = "0.33.0"
@@ -79,7 +80,7 @@ def _ensure_launcher_env():
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
         os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not torch.distributed.is_initialized():
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not dist.is_initialized():
         # vLLM would open its own one-rank group with this RANK and wait forever (parallel_state.py:1928).
         raise RuntimeError("the vLLM sampler joins the trainer's process group: call dist.init() before building it")
 
