@@ -1,0 +1,36 @@
+"""What a GPU would pay, counted on CPU (benchmarks/gpu_proxies.py's counters): matmul FLOPs by dtype,
+parameters left unsharded, host syncs per generated token, the export's dtype, all-gathers per layer.
+Each test also checks that the cheaper path computes the same thing.
+
+Run: pytest tests/test_gpu_proxies.py
+"""
+
+import torch
+
+from benchmarks.gpu_proxies import MatmulFlops
+from minigdpo import policy
+
+
+def naive_head(hidden, weight, targets):
+    """log softmax(hidden @ weight.T)[targets] in fp32, the oracle for chunked_logprobs."""
+    logits = hidden.float() @ weight.float().T                             # (K, V)
+    return torch.log_softmax(logits, -1).gather(-1, targets[:, None]).squeeze(-1)
+
+
+def test_head_weight_gradient_runs_in_the_compute_dtype_with_fp32_accumulation():
+    g = torch.Generator().manual_seed(0)
+    K, H, V, chunk = 40, 32, 3000, 16
+    hidden = torch.randn(K, H, generator=g).bfloat16().requires_grad_()
+    weight = (torch.randn(V, H, generator=g) * 0.3).bfloat16().requires_grad_()
+    targets = torch.randint(0, V, (K,), generator=g)
+    coef = torch.randn(K, generator=g)
+    with MatmulFlops() as flops:
+        logp, _ = policy.chunked_logprobs(hidden, weight, targets, chunk=chunk)
+        (logp * coef).sum().backward()
+    assert flops.flops.get(torch.float32, 0) == 0, flops.fp32_shapes  # every (V, H)-sized matmul in bf16
+    assert weight.grad.dtype == torch.bfloat16
+    h32, w32 = hidden.detach().float().requires_grad_(), weight.detach().float().requires_grad_()
+    (naive_head(h32, w32, targets) * coef).sum().backward()
+    # bf16 logits and a bf16 product per chunk, summed over chunks in fp32: bf16's own rounding
+    for got, want in ((weight.grad, w32.grad), (hidden.grad, h32.grad)):
+        torch.testing.assert_close(got.float(), want, rtol=0, atol=2e-2 * want.abs().max().item())
