@@ -234,7 +234,7 @@ def export_figures(model, tokenizer, path, source, args):
     orig_save, orig_full = checkpoint.save_file, dist.full_tensor
 
     def save_file(tensors, filename, metadata=None):
-        held["files"].append(sum(t.numel() * t.element_size() for t in tensors.values()))
+        held["files"].append((sum(t.numel() * t.element_size() for t in tensors.values()), len(tensors)))
         return orig_save(tensors, filename, metadata=metadata)
 
     def full_tensor(t):
@@ -314,12 +314,12 @@ def main(argv=None):
 
     # The step: reference pass, then one update, with prefix sharing on (train.py's default).
     cfg, batches = step_cfg(args), batch(args, device)
-    train.fill_logprobs(ref, batches, "ref_logp", cfg)
+    train.fill_logprobs(ref, batches, "ref_logp", cfg, reshard=True)
     bf16_bytes = n_params * 2
     for label, r in (("", ref), (" --ref-offload", None)):
         if r is None:
             r = policy.build(path, device, dtype, frozen=True, offload=True)
-            train.fill_logprobs(r, batches, "ref_logp_offload", cfg)
+            train.fill_logprobs(r, batches, "ref_logp_offload", cfg, reshard=True)
         total, whole = resident_bytes(r)
         floor = bf16_bytes / world + layer_params * 2
         row(f"reference bytes resident per rank after its pass{label} (MB)", f"{total / MB:.1f} "
@@ -351,9 +351,9 @@ def main(argv=None):
     ok = ex["weights"] == [ex["source"]] and ex["config"] == ex["source"]
     row("HF export dtype: weights / config.json (source)", f"{'/'.join(ex['weights'])} / {ex['config']} "
         f"({ex['source']}, {ex['bytes'] / MB:.0f} MB)", "the source's", ok)
-    biggest = max(ex["files"]) if ex["files"] else 0
+    biggest, n = max(ex["files"]) if ex["files"] else (0, 0)
     row("HF export: most bytes rank 0 holds at once (MB)", f"{biggest / MB:.1f} in {len(ex['files'])} files",
-        f"<= one file ({args.export_shard_mb} MB)", biggest <= args.export_shard_mb * MB or len(ex["files"]) == 1)
+        f"<= one file ({args.export_shard_mb} MB or 1 tensor)", biggest <= args.export_shard_mb * MB or n == 1)
     rank1 = dist.all_gather(torch.tensor([float(ex["full_bytes"])]))[-1].item()
     row("HF export: whole tensors gathered on the last rank (MB)", f"{rank1 / MB:.1f}", "0 (only rank 0 writes)",
         rank1 == 0)

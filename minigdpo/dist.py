@@ -17,7 +17,7 @@ import torch.distributed as tdist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
 _device = None   # the training device, set by init(): every collective's tensors go there
@@ -148,6 +148,17 @@ def shard(model, layers, param_dtype=None, offload=False, reshard_after_forward=
         fully_shard(layer, reshard_after_forward=reshard_after_forward, **kwargs)
     fully_shard(model, **kwargs)  # the root keeps its parameters between forward and backward
     return model
+
+
+def reshard(model):
+    """Free every gathered parameter of a sharded model, keeping only this rank's shards.
+
+    FSDP2 keeps a root's parameters gathered after its forward, for the backward that follows;
+    a model that runs no backward (the frozen reference) would hold them until its next pass.
+    """
+    for m in model.modules():
+        if isinstance(m, FSDPModule):
+            m.reshard()
 
 
 def full_tensor(t):

@@ -5,6 +5,8 @@ Each test also checks that the cheaper path computes the same thing.
 Run: pytest tests/test_gpu_proxies.py
 """
 
+from types import SimpleNamespace
+
 import torch
 
 from benchmarks.gpu_proxies import MatmulFlops
@@ -34,3 +36,22 @@ def test_head_weight_gradient_runs_in_the_compute_dtype_with_fp32_accumulation()
     # bf16 logits and a bf16 product per chunk, summed over chunks in fp32: bf16's own rounding
     for got, want in ((weight.grad, w32.grad), (hidden.grad, h32.grad)):
         torch.testing.assert_close(got.float(), want, rtol=0, atol=2e-2 * want.abs().max().item())
+
+
+def test_reference_pass_leaves_only_its_shards_resident(process_group):
+    import train
+    from benchmarks.gpu_proxies import resident_bytes, step_cfg
+    from tests.test_policy import batches
+
+    path = policy.resolve_model("tiny-random")
+    cfg = step_cfg(SimpleNamespace(chunk=4, completion_len=8))
+    for offload in (False, True):
+        ref = policy.build(path, process_group, torch.bfloat16, frozen=True, offload=offload)
+        mbs = batches(0, size=3)
+        shards, _ = resident_bytes(ref)
+        train.fill_logprobs(ref, mbs, "ref_logp", cfg, reshard=True)
+        total, whole = resident_bytes(ref)
+        assert (total, whole) == (shards, 0)
+        before = [mb["ref_logp"] for mb in mbs]
+        train.fill_logprobs(ref, mbs, "ref_logp", cfg, reshard=True)  # a second pass gathers again, the same
+        assert all(torch.equal(a, mb["ref_logp"]) for a, mb in zip(before, mbs))
