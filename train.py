@@ -224,7 +224,7 @@ def run_training(argv=None):
     sampler = make_sampler(cfg.sampler, path, device, tokenizer, stop_ids, dtype, seed=cfg.seed + dist.rank(),
                            gpu_memory_utilization=cfg.vllm_gpu_memory_utilization,
                            max_model_len=cfg.max_prompt_len + cfg.max_new_tokens)
-    save_dtype = model.lm.config.dtype if isinstance(getattr(model.lm.config, "dtype", None), torch.dtype) else torch.float32
+    save_dtype = policy.source_dtype(path)  # exports keep the checkpoint's dtype, not the fp32 master copy's
 
     start, cursor = 0, 0
     if cfg.resume:

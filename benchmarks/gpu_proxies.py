@@ -229,7 +229,7 @@ def export_figures(model, tokenizer, path, source, args):
     from safetensors import safe_open
     from transformers import AutoConfig
 
-    save_dtype = model.lm.config.dtype if isinstance(getattr(model.lm.config, "dtype", None), torch.dtype) else torch.float32
+    save_dtype = policy.source_dtype(source)  # as train.py does
     held = {"files": [], "full_bytes": 0}
     orig_save, orig_full = checkpoint.save_file, dist.full_tensor
 

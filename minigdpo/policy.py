@@ -136,6 +136,20 @@ def load_tokenizer(path):
     return tok
 
 
+def source_dtype(path):
+    """The dtype a checkpoint is stored in (bf16 for Qwen2.5), read from its config; float32 if it names none.
+
+    Exports keep it: the trained model's own config says float32 once loaded as fp32 master weights,
+    which would double the size of every export (6.2 GB instead of 3.1 GB for Qwen2.5-1.5B).
+    """
+    from transformers import AutoConfig
+
+    dtype = getattr(AutoConfig.from_pretrained(path), "dtype", None)
+    if isinstance(dtype, str):
+        dtype = getattr(torch, dtype, None)
+    return dtype if isinstance(dtype, torch.dtype) and dtype.is_floating_point else torch.float32
+
+
 def load_model(path, dtype=torch.float32):
     from transformers import AutoModelForCausalLM
 
@@ -303,7 +317,7 @@ def build(path, device, compute_dtype, grad_checkpointing=False, frozen=False, o
 
 
 def hf_state(model, dtype=None):
-    """Yield (Hugging Face name, whole tensor) one parameter at a time.
+    """Yield (Hugging Face name, whole tensor) one parameter at a time, in `dtype` when given.
 
     Memory stays bounded by one full tensor. Tied weights appear once, under the first
     name (the input embedding), as in Hugging Face checkpoints. Every rank must iterate
@@ -313,8 +327,8 @@ def hf_state(model, dtype=None):
     for name, t in model.lm.state_dict(keep_vars=True).items():
         if name in tied:
             continue
-        full = dist.full_tensor(t.detach())
-        yield name, full.to(dtype) if dtype is not None else full
+        t = t.detach()
+        yield name, dist.full_tensor(t.to(dtype) if dtype is not None else t)  # cast first: fewer bytes to gather
 
 
 def tied_names(model):

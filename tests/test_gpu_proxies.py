@@ -55,3 +55,34 @@ def test_reference_pass_leaves_only_its_shards_resident(process_group):
         before = [mb["ref_logp"] for mb in mbs]
         train.fill_logprobs(ref, mbs, "ref_logp", cfg, reshard=True)  # a second pass gathers again, the same
         assert all(torch.equal(a, mb["ref_logp"]) for a, mb in zip(before, mbs))
+
+
+def test_export_keeps_the_source_checkpoints_dtype(process_group, tmp_path):
+    import json
+    import os
+
+    from safetensors import safe_open
+    from transformers import AutoModelForCausalLM
+
+    from minigdpo import checkpoint
+
+    tiny = policy.resolve_model("tiny-random")
+    source = str(tmp_path / "bf16-source")  # a checkpoint stored in bf16, as Qwen2.5's are
+    policy.load_model(tiny).to(torch.bfloat16).save_pretrained(source)
+    tok = policy.load_tokenizer(tiny)
+    tok.save_pretrained(source)
+    assert policy.source_dtype(source) == torch.bfloat16 and policy.source_dtype(tiny) == torch.float32
+    model = policy.build(source, process_group, torch.float32)  # fp32 master weights
+    opt = policy.optimizer(model, 1e-2, 0.0)
+    where = checkpoint.save(str(tmp_path / "run"), 1, model, opt, policy.scheduler(opt, 2, 0.0, "constant"), tok,
+                            {"cursor": 0}, policy.source_dtype(source), keep=1)
+    hf = os.path.join(where, "hf")
+    with open(os.path.join(hf, "config.json")) as f:
+        assert json.load(f)["dtype"] == "bfloat16"
+    with safe_open(os.path.join(hf, "model.safetensors"), "pt") as f:
+        assert {f.get_slice(k).get_dtype() for k in f.keys()} == {"BF16"}
+    loaded = AutoModelForCausalLM.from_pretrained(hf)
+    assert loaded.dtype == torch.bfloat16
+    live = dict(policy.hf_state(model))
+    for name, t in loaded.state_dict().items():
+        torch.testing.assert_close(t, live[policy.tied_names(model).get(name, name)].bfloat16(), rtol=0, atol=0)
