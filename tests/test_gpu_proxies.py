@@ -86,3 +86,41 @@ def test_export_keeps_the_source_checkpoints_dtype(process_group, tmp_path):
     live = dict(policy.hf_state(model))
     for name, t in loaded.state_dict().items():
         torch.testing.assert_close(t, live[policy.tied_names(model).get(name, name)].bfloat16(), rtol=0, atol=0)
+
+
+def test_hf_sampler_syncs_the_host_once_per_16_tokens_with_identical_output():
+    from benchmarks.gpu_proxies import HostSyncs
+    from minigdpo.sampler import HFSampler, SamplingParams
+
+    path = policy.resolve_model("tiny-random")
+    lm = policy.load_model(path)
+    prompts = [[10, 11, 12, 13, 14, 15], [20], [30, 31, 32]]  # left padding: the decode steps need a mask
+    counts = []
+    for length in (16, 48):
+        sampler = HFSampler(lm, [lm.config.vocab_size], 257, torch.device("cpu"))  # a stop id no row draws
+        with HostSyncs() as syncs:
+            sampler.generate(prompts, 2, SamplingParams(temperature=1.0, max_new_tokens=length, seed=1))
+        counts.append(syncs.count)
+    assert counts[1] - counts[0] <= 32 // 16
+    # stopping as soon as every row is done, or up to 15 tokens later, gives the same completions
+    sampler = HFSampler(lm, [65, 66, 67, 68, 69, 70], 257, torch.device("cpu"))
+    params = SamplingParams(temperature=1.0, max_new_tokens=30, seed=5)
+    lazy = sampler.generate(prompts, 3, params)
+    sampler.sync_every = 1
+    eager = sampler.generate(prompts, 3, params)
+    assert {c.finish_reason for g in eager for c in g} == {"stop", "length"}
+    assert [(c.token_ids, c.logprobs, c.finish_reason) for g in lazy for c in g] == \
+        [(c.token_ids, c.logprobs, c.finish_reason) for g in eager for c in g]
+
+
+def test_hf_sampler_loads_weights_asleep_straight_onto_its_device():
+    from minigdpo.sampler import HFSampler
+
+    path = policy.resolve_model("tiny-random")
+    sampler = HFSampler(policy.load_model(path), [256], 257, torch.device("cpu"))
+    new = {k: torch.randn_like(v) for k, v in policy.load_model(path).state_dict().items() if k != "lm_head.weight"}
+    sampler.offloaded = True  # as after sleep() on an accelerator: the host copy is about to be replaced
+    sampler.load_weights(new.items())
+    assert not sampler.offloaded  # awake already: wake() has no whole-model copy left to make
+    for name, t in sampler.model.state_dict().items():
+        torch.testing.assert_close(t, new[{"lm_head.weight": "model.embed_tokens.weight"}.get(name, name)], rtol=0, atol=0)
