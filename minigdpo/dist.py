@@ -150,6 +150,30 @@ def shard(model, layers, param_dtype=None, offload=False, reshard_after_forward=
     return model
 
 
+def materialize(model, device, read, block_bytes=8 * 1024**2):
+    """Allocate a model that was built on the meta device and sharded by shard(), filling each of
+    this rank's shards with read(name, start, stop): rows start:stop (dim 0) of parameter `name`.
+
+    FSDP2 shards dim 0 as torch.chunk does, so a rank's shard is one block of whole rows. They are
+    read about block_bytes at a time, so that memory beyond the shards stays small. Buffers are
+    allocated too, uninitialised: the caller computes them.
+    """
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    model.to_empty(device=device)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if isinstance(p, DTensor):
+                local = p.to_local()
+                shape, offset = compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)
+            else:
+                local, shape, offset = p, p.shape, (0,) * p.dim()
+            step = max(1, block_bytes // max(1, local[:1].numel() * local.element_size()))  # rows per read
+            for r in range(0, shape[0] if local.numel() else 0, step):
+                n = min(step, shape[0] - r)
+                local[r:r + n].copy_(read(name, offset[0] + r, offset[0] + r + n))
+
+
 def reshard(model):
     """Free every gathered parameter of a sharded model, keeping only this rank's shards.
 

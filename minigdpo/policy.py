@@ -12,6 +12,7 @@ never exists, which matters with a 150k vocabulary.
 """
 
 import importlib.util
+import json
 import math
 import os
 import shutil
@@ -296,13 +297,62 @@ def decoder_layers(lm):
     raise ValueError(f"cannot find the decoder layers of {type(lm).__name__}")
 
 
+def empty_model(path, dtype):
+    """The model of checkpoint `path` with its parameters on the meta device (no memory, no init)."""
+    from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
+
+    with torch.device("meta"):
+        lm = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path), dtype=dtype)
+    try:
+        lm.generation_config = GenerationConfig.from_pretrained(path)
+    except OSError:  # a checkpoint without generation_config.json keeps the one from_config made
+        pass
+    return lm
+
+
+def shard_reader(path, lm):
+    """read(name, start, stop): rows start:stop of parameter `name`, read from the memory-mapped
+    safetensors files, so a rank touches only the rows it keeps; None when the checkpoint's
+    tensors do not match lm's parameters by name and shape (then build loads it whole)."""
+    from safetensors import safe_open
+    from transformers.utils import cached_file
+
+    quiet = dict(_raise_exceptions_for_missing_entries=False, _raise_exceptions_for_connection_errors=False)
+    index = cached_file(path, "model.safetensors.index.json", **quiet)
+    if index:
+        with open(index) as f:
+            files = [cached_file(path, name) for name in sorted(set(json.load(f)["weight_map"].values()))]
+    else:
+        files = [f for f in [cached_file(path, "model.safetensors", **quiet)] if f]
+    shapes, where = {}, {}
+    for file in files:
+        with safe_open(file, "pt") as f:
+            for name in f.keys():
+                shapes[name], where[name] = list(f.get_slice(name).get_shape()), file
+    if any(shapes.get(name) != list(p.shape) for name, p in lm.named_parameters()):
+        return None
+
+    def read(name, start, stop):
+        # Opened per read: closing unmaps the file, so the pages read do not stay in this rank's memory.
+        with safe_open(where[name], "pt") as f:
+            return f.get_slice(name)[start:stop]
+
+    return read
+
+
 def build(path, device, compute_dtype, grad_checkpointing=False, frozen=False, offload=False):
-    """Load, wrap for log-probs and shard with FSDP2 over all ranks.
+    """Build on the meta device, wrap for log-probs, shard with FSDP2 over all ranks, then have each
+    rank read only its own shards, so no rank ever holds the whole model (start-up host memory:
+    this rank's shards plus the read rows, about 1.5 x fp32 model / world for a bf16 checkpoint).
 
     The trained model keeps fp32 master weights and computes in compute_dtype; the frozen
     reference needs no master copy and is loaded in compute_dtype directly (half the memory in bf16).
     """
-    lm = load_model(path, compute_dtype if frozen else torch.float32)
+    dtype = compute_dtype if frozen else torch.float32
+    lm = empty_model(path, dtype)
+    read = shard_reader(path, lm)
+    if read is None:  # names or shapes that differ from the checkpoint's: transformers converts them
+        lm = load_model(path, dtype)
     lm.config.use_cache = False
     if grad_checkpointing and not frozen:
         lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -313,7 +363,14 @@ def build(path, device, compute_dtype, grad_checkpointing=False, frozen=False, o
     else:
         model.train()
     param_dtype = compute_dtype if compute_dtype != torch.float32 and not frozen else None
-    return dist.shard(model, decoder_layers(lm), param_dtype=param_dtype, offload=offload)
+    model = dist.shard(model, decoder_layers(lm), param_dtype=param_dtype, offload=offload)
+    if read is not None:
+        dist.materialize(lm, torch.device("cpu") if offload else device, read)
+        with torch.no_grad():  # buffers that no checkpoint stores (rotary tables): transformers computes them
+            for m in lm.modules():
+                if m._non_persistent_buffers_set:
+                    lm._init_weights(m)
+    return model
 
 
 def hf_state(model, dtype=None):

@@ -124,3 +124,29 @@ def test_hf_sampler_loads_weights_asleep_straight_onto_its_device():
     assert not sampler.offloaded  # awake already: wake() has no whole-model copy left to make
     for name, t in sampler.model.state_dict().items():
         torch.testing.assert_close(t, new[{"lm_head.weight": "model.embed_tokens.weight"}.get(name, name)], rtol=0, atol=0)
+
+
+def test_build_reads_only_shards_into_a_meta_model_with_the_same_weights(process_group, monkeypatch):
+    from tests.test_policy import batches, model_logprobs
+
+    path = policy.resolve_model("tiny-random")
+    whole = policy.LogProbModel(policy.load_model(path))  # the oracle: every weight loaded the usual way
+    (mb,) = batches(5)
+    want = model_logprobs(whole, mb, 0.8, 4)
+
+    def no_whole_load(*args, **kwargs):
+        raise AssertionError("build loaded the whole model on this rank")
+
+    monkeypatch.setattr(policy, "load_model", no_whole_load)
+    for frozen, dtype in ((False, torch.float32), (True, torch.float32), (True, torch.bfloat16)):
+        model = policy.build(path, process_group, dtype, frozen=frozen)
+        live = dict(policy.hf_state(model))
+        for name, t in whole.lm.state_dict().items():
+            if name not in policy.tied_names(model):
+                torch.testing.assert_close(live[name], t.to(dtype), rtol=0, atol=0)
+        for name, b in whole.lm.named_buffers():  # rotary tables are computed, not read
+            torch.testing.assert_close(model.lm.get_buffer(name), b, rtol=0, atol=0)
+        if dtype == torch.float32:
+            with torch.no_grad():
+                torch.testing.assert_close(model_logprobs(model, mb, 0.8, 4), want.detach(), rtol=0, atol=1e-6)
+    assert model.lm.generation_config.eos_token_id == whole.lm.generation_config.eos_token_id
