@@ -65,8 +65,7 @@ class Collectives:
     """Counts FSDP2's all-gathers and reduce-scatters per parameter group, with the bytes gathered."""
 
     def __init__(self):
-        from torch.distributed.fsdp._fully_shard import _fsdp_param_group as pg
-
+        pg = dist.fsdp_collectives_module()
         self.pg, self.gathers, self.reduces, self.gathered_bytes = pg, {}, {}, 0
         self.orig = pg.foreach_all_gather, pg.foreach_reduce
 
@@ -155,22 +154,7 @@ def reset_peak():
 
 def resident_bytes(model):
     """(bytes held by this rank for model's parameters, of which unsharded whole tensors)."""
-    from torch.distributed.fsdp import FSDPModule
-    from torch.distributed.fsdp._fully_shard._fsdp_param import ShardedState
-
-    total = whole = 0
-    for m in model.modules():
-        if not isinstance(m, FSDPModule):
-            continue
-        group = m._get_fsdp_state()._fsdp_param_group
-        for p in group.fsdp_params if group else []:
-            local = p.sharded_param._local_tensor
-            total += local.numel() * local.element_size()
-            if p.sharded_state == ShardedState.UNSHARDED:
-                n = p._orig_size.numel() * p.param_dtype.itemsize if p.param_dtype else \
-                    p._orig_size.numel() * local.element_size()
-                total, whole = total + n, whole + n
-    return total, whole
+    return dist.resident_bytes(model)
 
 
 # The step ----------------------------------------------------------------------------------------

@@ -185,6 +185,31 @@ def reshard(model):
             m.reshard()
 
 
+def resident_bytes(model):
+    """(bytes this rank holds for a sharded model's parameters, of which gathered whole tensors):
+    every FSDP2 parameter's shard, plus its whole tensor while it is unsharded."""
+    from torch.distributed.fsdp._fully_shard._fsdp_param import ShardedState
+
+    total = whole = 0
+    for m in model.modules():
+        group = m._get_fsdp_state()._fsdp_param_group if isinstance(m, FSDPModule) else None
+        for p in group.fsdp_params if group else []:
+            local = p.sharded_param._local_tensor
+            total += local.numel() * local.element_size()
+            if p.sharded_state == ShardedState.UNSHARDED:
+                n = p._orig_size.numel() * (p.param_dtype or local.dtype).itemsize
+                total, whole = total + n, whole + n
+    return total, whole
+
+
+def fsdp_collectives_module():
+    """The module where FSDP2 (torch 2.13, torch/distributed/fsdp/_fully_shard/_fsdp_param_group.py)
+    looks up foreach_all_gather and foreach_reduce: benchmarks wrap them there to count collectives."""
+    from torch.distributed.fsdp._fully_shard import _fsdp_param_group
+
+    return _fsdp_param_group
+
+
 def full_tensor(t):
     """The whole tensor behind a (possibly sharded) parameter. Every rank must call it, in the same order."""
     return t.full_tensor() if isinstance(t, DTensor) else t
