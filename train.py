@@ -100,10 +100,13 @@ def logprobs(model, mb, cfg, entropy=False):
 
 
 @torch.no_grad()
-def fill_logprobs(model, batches, key, cfg):
-    """Store a no-grad log-prob pass (reference or old policy) in each micro-batch under `key`."""
+def fill_logprobs(model, batches, key, cfg, reshard=False):
+    """Store a no-grad log-prob pass (reference or old policy) in each micro-batch under `key`;
+    reshard=True then frees the parameters FSDP2 keeps gathered for a backward (none for the reference)."""
     for mb in batches:
         mb[key] = logprobs(model, mb, cfg)
+    if reshard:
+        dist.reshard(model)
 
 
 def update(model, opt, sched, batches, cfg, num_tokens, num_seqs):
@@ -221,7 +224,7 @@ def run_training(argv=None):
     sampler = make_sampler(cfg.sampler, path, device, tokenizer, stop_ids, dtype, seed=cfg.seed + dist.rank(),
                            gpu_memory_utilization=cfg.vllm_gpu_memory_utilization,
                            max_model_len=cfg.max_prompt_len + cfg.max_new_tokens)
-    save_dtype = model.lm.config.dtype if isinstance(getattr(model.lm.config, "dtype", None), torch.dtype) else torch.float32
+    save_dtype = policy.source_dtype(path)  # exports keep the checkpoint's dtype, not the fp32 master copy's
 
     start, cursor = 0, 0
     if cfg.resume:
@@ -276,7 +279,7 @@ def run_training(argv=None):
         t0 = time.perf_counter()
         batches = micro_batches(seq_prompts, completions, adv, cfg.micro_batch_size, tokenizer.pad_token_id, device, G)
         if ref is not None:
-            fill_logprobs(ref, batches, "ref_logp", cfg)
+            fill_logprobs(ref, batches, "ref_logp", cfg, reshard=True)
         if cfg.num_iterations > 1:
             fill_logprobs(model, batches, "old_logp", cfg)
         t_logprob = time.perf_counter() - t0

@@ -17,7 +17,7 @@ import torch.distributed as tdist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
 _device = None   # the training device, set by init(): every collective's tensors go there
@@ -152,6 +152,66 @@ def shard(model, layers, param_dtype=None, offload=False, reshard_after_forward=
         fully_shard(layer, reshard_after_forward=reshard_after_forward, **kwargs)
     fully_shard(model, **kwargs)  # the root keeps its parameters between forward and backward
     return model
+
+
+def materialize(model, device, read, block_bytes=8 * 1024**2):
+    """Allocate a model that was built on the meta device and sharded by shard(), filling each of
+    this rank's shards with read(name, start, stop): rows start:stop (dim 0) of parameter `name`.
+
+    FSDP2 shards dim 0 as torch.chunk does, so a rank's shard is one block of whole rows. They are
+    read about block_bytes at a time, so that memory beyond the shards stays small. Buffers are
+    allocated too, uninitialised: the caller computes them.
+    """
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    model.to_empty(device=device)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if isinstance(p, DTensor):
+                local = p.to_local()
+                shape, offset = compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)
+            else:
+                local, shape, offset = p, p.shape, (0,) * p.dim()
+            step = max(1, block_bytes // max(1, local[:1].numel() * local.element_size()))  # rows per read
+            for r in range(0, shape[0] if local.numel() else 0, step):
+                n = min(step, shape[0] - r)
+                local[r:r + n].copy_(read(name, offset[0] + r, offset[0] + r + n))
+
+
+def reshard(model):
+    """Free every gathered parameter of a sharded model, keeping only this rank's shards.
+
+    FSDP2 keeps a root's parameters gathered after its forward, for the backward that follows;
+    a model that runs no backward (the frozen reference) would hold them until its next pass.
+    """
+    for m in model.modules():
+        if isinstance(m, FSDPModule):
+            m.reshard()
+
+
+def resident_bytes(model):
+    """(bytes this rank holds for a sharded model's parameters, of which gathered whole tensors):
+    every FSDP2 parameter's shard, plus its whole tensor while it is unsharded."""
+    from torch.distributed.fsdp._fully_shard._fsdp_param import ShardedState
+
+    total = whole = 0
+    for m in model.modules():
+        group = m._get_fsdp_state()._fsdp_param_group if isinstance(m, FSDPModule) else None
+        for p in group.fsdp_params if group else []:
+            local = p.sharded_param._local_tensor
+            total += local.numel() * local.element_size()
+            if p.sharded_state == ShardedState.UNSHARDED:
+                n = p._orig_size.numel() * (p.param_dtype or local.dtype).itemsize
+                total, whole = total + n, whole + n
+    return total, whole
+
+
+def fsdp_collectives_module():
+    """The module where FSDP2 (torch 2.13, torch/distributed/fsdp/_fully_shard/_fsdp_param_group.py)
+    looks up foreach_all_gather and foreach_reduce: benchmarks wrap them there to count collectives."""
+    from torch.distributed.fsdp._fully_shard import _fsdp_param_group
+
+    return _fsdp_param_group
 
 
 def full_tensor(t):

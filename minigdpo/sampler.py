@@ -90,6 +90,7 @@ class HFSampler:
         self.device = device
         self.tokenizer = tokenizer
         self.offloaded = False
+        self.sync_every = 16  # decode steps between host checks for "every row stopped"
 
     @torch.no_grad()
     def generate(self, prompts, n, params):
@@ -116,15 +117,28 @@ class HFSampler:
                 stopped = ~done & torch.isin(tok, self.stop_ids)
                 lengths = torch.where(stopped, t + 1, lengths)
                 done |= stopped
-                if bool(done.all()):
+                # bool() waits for the device: ask every sync_every steps. The extra steps of finished
+                # rows write padding beyond their lengths, so the completions are the same.
+                if (t + 1) % self.sync_every == 0 and bool(done.all()):
                     break
             # Rows that are done feed padding; their outputs are never read, so the new column can be all ones.
             mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)  # (N, P + t + 1)
-            out = self.model(input_ids=tok[:, None], attention_mask=mask, position_ids=next_pos[:, None],
+            out = self.model(input_ids=tok[:, None], attention_mask=self._decode_mask(mask), position_ids=next_pos[:, None],
                              past_key_values=cache, use_cache=True)
             cache, logits = out.past_key_values, out.logits[:, -1]
             next_pos = next_pos + 1
         return self._completions(tokens.cpu(), logps.cpu(), lengths.cpu(), B, n)
+
+    def _decode_mask(self, mask):
+        """The (N, L) padding mask of one decode step, as SDPA takes it: (N, 1, 1, L), True = attend.
+
+        Given the 2-D mask, transformers reads it on the host (masking_utils.fast_all) to see whether
+        it may drop it, a sync per token; a 4-D mask is used as it is. Other attention kernels take
+        their own mask formats, so they get the 2-D one.
+        """
+        if getattr(self.model.config, "_attn_implementation", None) != "sdpa":
+            return mask
+        return mask[:, None, None, :].bool()                               # (N, 1, 1, L)
 
     def _completions(self, tokens, logps, lengths, B, n):
         stop = set(self.stop_ids.tolist())
@@ -143,7 +157,13 @@ class HFSampler:
         for name, tensor in named_tensors:
             if name not in params:
                 raise KeyError(f"sampler model has no parameter {name!r}")
-            params[name].data.copy_(tensor.to(params[name].device, params[name].dtype))
+            p = params[name]
+            if self.offloaded:  # asleep: the new weights go straight to the device, not through the host copy
+                p.data = torch.empty_like(p, device=self.device)
+            p.data.copy_(tensor.to(p.device, p.dtype))
+        if self.offloaded:  # the rest (buffers) follows, and wake() has no whole-model copy left to make
+            self.model.to(self.device)
+            self.offloaded = False
 
     def sleep(self):
         """Move the inference copy off the accelerator while the trainer needs the memory."""
