@@ -20,10 +20,16 @@ Departures from that recipe (all deliberate, all documented):
 - GSM8K answers with thousands separators compare equal to the bare digits;
 - the default rollout backend on GPU is vLLM colocated in each rank (TRL's colocate mode).
 
+LoRA (--lora-rank R, needs peft): only rank-R adapters on the attention and MLP projections train,
+on a frozen base; step 5's reference is the same model with its adapters switched off, and step 7
+pushes the merged weights, base + (alpha / R) B A (minigdpo/lora.py).
+
 Launch:
   python train.py --preset cpu-demo                          # offline CPU demo, ~6 min on 2 cores
   python train.py --preset smoke                             # tiny random model, seconds
   python train.py --preset a100 --estimator gdpo             # one 80 GB A100
+  python train.py --preset a100-lora --estimator gdpo        # Qwen2.5-7B-Instruct with LoRA on one 80 GB A100
+  python train.py --preset cpu-demo --lora-rank 16           # LoRA adapters on the CPU demo
   torchrun --nproc_per_node 8 train.py --estimator gdpo      # the paper's recipe on 8 GPUs
   torchrun --nnodes 2 --nproc_per_node 8 --rdzv_endpoint HOST:29500 train.py --estimator gdpo --output-dir /shared/run
                                                              # 2 nodes: HSDP, one shared output dir
@@ -37,7 +43,7 @@ import time
 
 import torch
 
-from minigdpo import checkpoint, config, data, dist, metrics, policy
+from minigdpo import checkpoint, config, data, dist, lora, metrics, policy
 from minigdpo.advantages import ESTIMATORS, Condition, apply_conditions
 from minigdpo.collapse import distinct_per_group
 from minigdpo.loss import policy_loss
@@ -200,6 +206,9 @@ def run_training(argv=None):
     # Built-in models are built before the process group exists: with one, transformers saves on rank 0 only.
     path = policy.resolve_model(cfg.model)
     policy.check_context(path, cfg.max_prompt_len + cfg.max_new_tokens)  # still before any weights load
+    adapters = lora.settings(cfg)  # None: full fine-tuning
+    if adapters:
+        policy.check_lora_targets(path, adapters.targets)  # on the meta device, still before any weights load
     try:
         device = dist.init(cfg.sharding)
     except ValueError as e:  # nodes with different numbers of ranks cannot form an HSDP mesh
@@ -213,12 +222,14 @@ def run_training(argv=None):
     torch.manual_seed(cfg.seed)
 
     # Models: the trained policy, its frozen reference, and the sampler's inference copy.
+    # With LoRA the reference is the policy with its adapters switched off: no second model.
     tokenizer = policy.load_tokenizer(path)
     dtype = compute_dtype(cfg, device)
-    model = policy.build(path, device, dtype, cfg.grad_checkpointing)
-    ref = policy.build(path, device, dtype, frozen=True, offload=cfg.ref_offload) if cfg.beta > 0 else None
-    opt = policy.optimizer(model, cfg.lr, cfg.weight_decay)
-    n_params = sum(p.numel() for p in model.parameters())  # global counts, also under FSDP
+    model = policy.build(path, device, dtype, cfg.grad_checkpointing, lora=adapters)
+    ref = policy.build(path, device, dtype, frozen=True, offload=cfg.ref_offload) if cfg.beta > 0 and not adapters else None
+    opt = policy.optimizer(model, cfg.lr, cfg.weight_decay)  # the parameters that require grad: with LoRA, the adapters
+    n_trainable, n_params = lora.trainable_count(model)  # global counts, also under FSDP
+    dist.print0(f"parameters: {n_params:,}, trainable: {n_trainable:,}")
     sched = policy.scheduler(opt, derived.total_steps * cfg.num_iterations, cfg.warmup_ratio, cfg.lr_schedule)
     stop_ids = policy.stop_token_ids(model.lm.config, model.lm.generation_config, tokenizer)
     sampler = make_sampler(cfg.sampler, path, device, tokenizer, stop_ids, dtype, seed=cfg.seed + dist.rank(),
@@ -280,6 +291,9 @@ def run_training(argv=None):
         batches = micro_batches(seq_prompts, completions, adv, cfg.micro_batch_size, tokenizer.pad_token_id, device, G)
         if ref is not None:
             fill_logprobs(ref, batches, "ref_logp", cfg, reshard=True)
+        elif adapters and cfg.beta > 0:
+            with lora.adapters_off(model):
+                fill_logprobs(model, batches, "ref_logp", cfg)
         if cfg.num_iterations > 1:
             fill_logprobs(model, batches, "old_logp", cfg)
         t_logprob = time.perf_counter() - t0
@@ -323,7 +337,8 @@ def run_training(argv=None):
         if (cfg.save_every and step % cfg.save_every == 0) or step == derived.total_steps:
             try:
                 where = checkpoint.save(cfg.output_dir, step, model, opt, sched, tokenizer,
-                                        {"cursor": cursor, **run}, save_dtype, cfg.keep_checkpoints)
+                                        {"cursor": cursor, **run}, save_dtype, cfg.keep_checkpoints,
+                                        export_hf=not adapters or cfg.merge_on_save)
                 log.write(f"step {step}: saved {where}")
             except checkpoint.CheckpointError as e:
                 log.write(f"error: {e}", error=True)

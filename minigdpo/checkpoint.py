@@ -2,7 +2,10 @@
 
     OUTPUT_DIR/checkpoints/step_000050/
         hf/           config, tokenizer and safetensors: from_pretrained() and vLLM load it as is
+                      (with LoRA: the merged model, written only with --merge-on-save)
+        adapter/      with LoRA: adapter_config.json, adapter_model.safetensors (peft's format) and tokenizer
         state/        model and optimizer shards (torch.distributed.checkpoint), exact fp32
+                      (with LoRA: the adapters and their optimizer state; the frozen base is not copied)
         trainer.json  step, data cursor, scheduler, config
         rng/          each rank's RNG states
         COMPLETE      written last
@@ -27,7 +30,7 @@ import numpy as np
 import torch
 from safetensors.torch import save_file
 
-from minigdpo import dist
+from minigdpo import dist, lora
 from minigdpo.config import ConfigError
 from minigdpo.policy import hf_state
 
@@ -245,9 +248,11 @@ def _agree(error, tmp):
         raise CheckpointError(f"could not write checkpoint {tmp}: rank {r}: {e}")
 
 
-def save(output_dir, step, model, optimizer, sched, tokenizer, trainer_state, save_dtype, keep):
+def save(output_dir, step, model, optimizer, sched, tokenizer, trainer_state, save_dtype, keep, export_hf=True):
     """Write checkpoint `step` atomically on all ranks; raise CheckpointError on every rank on failure,
-    within one phase of the failure, leaving the previous checkpoint untouched."""
+    within one phase of the failure, leaving the previous checkpoint untouched.
+
+    A LoRA model's adapters go to adapter/; export_hf=False skips hf/ (for LoRA without --merge-on-save)."""
     inject_fault("before_save", step)  # a kill between the update and the save
     final = os.path.join(root(output_dir), f"step_{step:06d}")
     tmp = final + ".partial"
@@ -276,7 +281,16 @@ def save(output_dir, step, model, optimizer, sched, tokenizer, trainer_state, sa
             _prune(output_dir, keep)
 
     _agree(_attempt(prepare, tmp), tmp)
-    _agree(_write_hf(model, tokenizer, os.path.join(tmp, "hf"), save_dtype, step), tmp)
+    if lora.has_adapters(model.lm):
+        adapters = lora.adapter_state(model.lm)  # every rank gathers: each step is a collective
+
+        def write_adapter():
+            if dist.is_main():
+                lora.save_adapter(os.path.join(tmp, "adapter"), adapters, model.lm, tokenizer)
+
+        _agree(_attempt(write_adapter, tmp), tmp)
+    if export_hf:
+        _agree(_write_hf(model, tokenizer, os.path.join(tmp, "hf"), save_dtype, step), tmp)
     inject_fault("after_hf", step)
     _agree(_attempt(write_state, tmp), tmp)
     _agree(_attempt(finish, tmp), tmp)

@@ -12,6 +12,10 @@ import math
 from dataclasses import MISSING, asdict, dataclass, field, fields  # noqa: F401  (fields is used by callers)
 
 
+# The attention and MLP projections of Llama, Qwen2 and Mistral (and SmolLM2, a Llama).
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
 class ConfigError(ValueError):
     """A bad config value; train.py prints it as one line and exits with status 2."""
 
@@ -20,7 +24,7 @@ class ConfigError(ValueError):
 class Config:
     # What to train
     preset: str = "paper-gsm8k"
-    """Starting values: paper-gsm8k, a100, cpu-demo or smoke. Explicit flags override them."""
+    """Starting values: paper-gsm8k, a100, a100-lora, cpu-demo or smoke. Explicit flags override them."""
     model: str = "Qwen/Qwen2.5-1.5B-Instruct"
     """Policy: a Hugging Face hub name, a local directory, or tiny-random (a 2-layer random Llama, offline)."""
     task: str = "gsm8k"
@@ -120,6 +124,19 @@ class Config:
     logprob_chunk: int = 1024
     """Tokens per chunk of the log-softmax, so [B, T, V] float32 logits never exist at once."""
 
+    # LoRA (needs peft: pip install 'minigdpo[lora]')
+    lora_rank: int = 0
+    """LoRA rank R: train rank-R adapters on the frozen base model instead of every weight. 0: full fine-tuning.
+    The reference is then the same model with its adapters switched off (no second copy)."""
+    lora_alpha: float = 32.0
+    """LoRA scale numerator: each adapted layer computes W x + (alpha / R) B A x."""
+    lora_dropout: float = 0.0
+    """Dropout on the adapters' input in the update passes (the sampler never uses it)."""
+    lora_targets: list = field(default_factory=lambda: list(LORA_TARGETS))
+    """Linear layers inside the decoder layers that get adapters, by name (peft's target_modules)."""
+    merge_on_save: bool = False
+    """With LoRA: also write each checkpoint's merged model (base + adapters) to hf/, loadable without peft."""
+
     # Output
     output_dir: str = "runs/gdpo"
     """Directory for metrics.jsonl, samples.jsonl and checkpoints."""
@@ -147,6 +164,10 @@ PRESETS = {
     # One 80 GB A100: G=8, 256 completions per step, micro-batches that fit with vLLM colocated.
     "a100": dict(group_size=8, batch_size=256, micro_batch_size=8, grad_checkpointing=True, ref_offload=False,
                  vllm_gpu_memory_utilization=0.35),
+    # Qwen2.5-7B-Instruct on one 80 GB A100: frozen bf16 base, rank-32 adapters, no reference copy (README, LoRA).
+    # LoRA usually wants a learning rate about 10x full fine-tuning's; 5e-5 is a starting point, not tuned here.
+    "a100-lora": dict(model="Qwen/Qwen2.5-7B-Instruct", group_size=8, batch_size=256, micro_batch_size=8,
+                      grad_checkpointing=True, lora_rank=32, lora_alpha=64.0, lr=5e-5, vllm_gpu_memory_utilization=0.5),
     # Offline, 2 CPU cores, about 10 minutes: SmolLM2-135M-Instruct learns simple arithmetic.
     "cpu-demo": dict(model="HuggingFaceTB/SmolLM2-135M-Instruct", task="arith", group_size=8, batch_size=32,
                      micro_batch_size=16, lr=2e-5, warmup_ratio=0.0, lr_schedule="constant", beta=0.04,
@@ -278,9 +299,30 @@ def validate(cfg):
         import importlib.util
 
         _check(importlib.util.find_spec("wandb") is not None, "--wandb needs the wandb package: pip install 'minigdpo[wandb]'")
+    validate_lora(cfg)
     if cfg.reward_weights:
         _check(all(math.isfinite(w) for w in cfg.reward_weights), f"--reward-weights must be finite, got {cfg.reward_weights}")
     return cfg
+
+
+def validate_lora(cfg):
+    """LoRA's flags: a rank of 0 is off, and then no other LoRA flag may be set; --ref-offload has no
+    reference model to offload under LoRA. Target names are checked against the model in policy.py."""
+    _check(cfg.lora_rank >= 0, f"--lora-rank must be >= 1 (or 0 for full fine-tuning), got {cfg.lora_rank}")
+    if cfg.lora_rank == 0:
+        defaults = Config()
+        given = [f"--{n.replace('_', '-')}" for n in ("lora_alpha", "lora_dropout", "lora_targets", "merge_on_save")
+                 if getattr(cfg, n) != getattr(defaults, n)]
+        _check(not given, f"{', '.join(given)} {'needs' if len(given) == 1 else 'need'} --lora-rank R >= 1 (0 turns LoRA off)")
+        return
+    import importlib.util
+
+    _check(importlib.util.find_spec("peft") is not None, "--lora-rank needs the peft package: pip install 'minigdpo[lora]'")
+    _check(math.isfinite(cfg.lora_alpha) and cfg.lora_alpha > 0, f"--lora-alpha must be > 0, got {cfg.lora_alpha}")
+    _check(0 <= cfg.lora_dropout < 1, f"--lora-dropout must be in [0, 1), got {cfg.lora_dropout}")
+    _check(bool(cfg.lora_targets), "--lora-targets must name at least one layer")
+    _check(not cfg.ref_offload, "--ref-offload does nothing with --lora-rank: the reference is the policy with its "
+                                "adapters switched off, with no weights of its own to offload")
 
 
 @dataclass

@@ -239,8 +239,10 @@ def save_sharded(model, optimizer, path, before_write=None):
     """Each rank writes its shards of model and optimizer state (torch.distributed.checkpoint).
 
     DCP gathers every rank's write result, so a write that fails on one rank raises on all of them.
+    Frozen parameters (a LoRA model's base weights) are left out: they never change, and resume
+    reads them from the model's own checkpoint again.
     """
-    model_sd, optim_sd = get_state_dict(model, optimizer)
+    model_sd, optim_sd = get_state_dict(model, optimizer, options=StateDictOptions(ignore_frozen_params=True))
     writer = _Writer(path, before_write) if before_write else None
     try:
         dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=path, storage_writer=writer)
@@ -254,9 +256,13 @@ def save_sharded(model, optimizer, path, before_write=None):
 
 
 def load_sharded(model, optimizer, path):
-    """Inverse of save_sharded; works for a different world size too (DCP reshards)."""
-    model_sd, optim_sd = get_state_dict(model, optimizer)
+    """Inverse of save_sharded; works for a different world size too (DCP reshards).
+
+    Every trainable parameter must be in the checkpoint (DCP raises on a missing key); frozen ones are
+    not loaded, so the model's own state dict is checked strictly only when nothing is frozen."""
+    model_sd, optim_sd = get_state_dict(model, optimizer, options=StateDictOptions(ignore_frozen_params=True))
     state = {"model": model_sd, "optim": optim_sd}
     dcp.load(state, checkpoint_id=path)
+    strict = all(p.requires_grad for p in model.parameters())
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
-                   options=StateDictOptions(strict=True))
+                   options=StateDictOptions(strict=strict, ignore_frozen_params=True))

