@@ -22,9 +22,9 @@ setup(
     ],
     extras_require={
         "vllm": ["vllm==0.33.0"],  # the one version minigdpo/vllm_sampler.py is written against (it brings torch 2.14)
-        "gpu": ["vllm==0.33.0", "datasets", "peft>=0.18"],  # a GPU node: vLLM rollouts, GSM8K from the hub, LoRA
-        "lora": ["peft>=0.18"],  # --lora-rank (minigdpo/lora.py; written against peft 0.21.2)
-        "test": ["pytest", "hypothesis", "matplotlib", "peft>=0.18"],
+        "gpu": ["vllm==0.33.0", "datasets", "peft>=0.21"],  # a GPU node: vLLM rollouts, GSM8K from the hub, LoRA
+        "lora": ["peft>=0.21"],  # --lora-rank (minigdpo/lora.py, written against peft 0.21.2)
+        "test": ["pytest", "hypothesis", "matplotlib", "peft>=0.21"],
         "plot": ["matplotlib"],
         "demo": ["gguf", "accelerate"],  # loads the offline demo model from its GGUF file
         "wandb": ["wandb"],

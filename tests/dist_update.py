@@ -1,9 +1,10 @@
 """One policy update on a fixed global batch, split over however many ranks run it.
 
-    torchrun --nproc_per_node 2 tests/dist_update.py OUT.pt [AGG [SHARDING]]
+    torchrun --nproc_per_node 2 tests/dist_update.py OUT.pt [AGG [SHARDING [lora]]]
 
 Rank 0 saves the full parameters and the loss statistics to OUT.pt; the test compares the
-1-rank and 2-rank results. The micro-batch size differs between the two runs on purpose.
+1-rank and 2-rank results. With `lora` the policy trains rank-4 adapters and its reference is
+itself with the adapters off; the saved parameters are then the merged ones. The micro-batch size differs between the two runs on purpose.
 """
 
 import os
@@ -15,16 +16,16 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import train  # noqa: E402
-from minigdpo import dist, policy  # noqa: E402
+from minigdpo import dist, lora, policy  # noqa: E402
 from minigdpo.sampler import Completion  # noqa: E402
 
 
-def main(out, agg, sharding):
+def main(out, agg, sharding, adapters=None):
     path = policy.resolve_model("tiny-random")  # before the group: transformers saves on rank 0 only with one
     device = dist.init(sharding)
     torch.manual_seed(0)
-    model = policy.build(path, device, torch.float32)
-    ref = policy.build(path, device, torch.float32, frozen=True)
+    model = policy.build(path, device, torch.float32, lora=adapters)
+    ref = policy.build(path, device, torch.float32, frozen=True) if adapters is None else None
     opt = policy.optimizer(model, 1e-3, 0.0)
     sched = policy.scheduler(opt, 10, 0.0, "constant")
     g = torch.Generator().manual_seed(123)
@@ -43,7 +44,11 @@ def main(out, agg, sharding):
     cfg = SimpleNamespace(num_iterations=2, temperature=1.0, logprob_chunk=3, tis_cap=0.0, clip_low=0.2, clip_high=0.2,
                           beta=0.1, loss_agg=agg, max_new_tokens=6, max_grad_norm=1.0, grad_checkpointing=False)
     batches = train.micro_batches(prompts[mine], comps[mine], adv[mine], 3 if world == 1 else 2, 257, device, G)
-    train.fill_logprobs(ref, batches, "ref_logp", cfg)
+    if ref is not None:
+        train.fill_logprobs(ref, batches, "ref_logp", cfg)
+    else:
+        with lora.adapters_off(model):
+            train.fill_logprobs(model, batches, "ref_logp", cfg)
     train.fill_logprobs(model, batches, "old_logp", cfg)
     tokens = dist.all_reduce(sum(mb["mask"].sum() for mb in batches).reshape(1)).item()
     totals = train.update(model, opt, sched, batches, cfg, tokens / world, S // world)
@@ -55,4 +60,6 @@ def main(out, agg, sharding):
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2] if len(sys.argv) > 2 else "token_mean", sys.argv[3] if len(sys.argv) > 3 else "auto")
+    adapters = lora.Settings(4, 8.0, 0.0, ("q_proj", "v_proj", "down_proj")) if sys.argv[4:] == ["lora"] else None
+    main(sys.argv[1], sys.argv[2] if len(sys.argv) > 2 else "token_mean", sys.argv[3] if len(sys.argv) > 3 else "auto",
+         adapters)

@@ -1,0 +1,263 @@
+"""LoRA (minigdpo/lora.py, through peft): only the adapters train; the reference with the adapters off
+is the base model; merged weights reproduce the adapted model in a plain Hugging Face model, the HF
+sampler and the fake vLLM engine; adapter checkpoints load with peft; resume is exact; the update on
+2 gloo ranks equals the 1-rank one; bad LoRA input is one line before any weights load.
+
+Run: pytest tests/test_lora.py   (about 2 minutes on 2 cores)
+"""
+
+import json
+import os
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from conftest import read_jsonl, run
+from minigdpo import checkpoint, config, dist, lora, policy
+from minigdpo.sampler import HFSampler, SamplingParams
+from test_policy import batches, model_logprobs
+
+peft = pytest.importorskip("peft")
+
+SETTINGS = lora.Settings(rank=4, alpha=8.0, dropout=0.0, targets=("q_proj", "v_proj", "up_proj", "down_proj"), seed=0)
+SMOKE = ["train.py", "--preset", "smoke", "--rewards", "tests.helpers:digit_frac,tests.helpers:vowel_frac,format",
+         "--lora-rank", "4", "--lora-alpha", "8"]
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    path = policy.resolve_model("tiny-random")
+    return path, policy.load_tokenizer(path)
+
+
+def full(model):
+    """{name: whole tensor} of every parameter, under the model's own (peft) names."""
+    return {n: p.full_tensor().detach().clone() if hasattr(p, "full_tensor") else p.detach().clone()
+            for n, p in model.named_parameters()}
+
+
+def trained(path, device, steps=2, lr=1e-2):
+    """A LoRA policy after `steps` optimizer steps that push the sampled tokens' log-probs up."""
+    model = policy.build(path, device, torch.float32, lora=SETTINGS)
+    opt = policy.optimizer(model, lr, 0.0)
+    for seed in range(steps):
+        (mb,) = batches(seed)
+        opt.zero_grad()
+        (-model_logprobs(model, mb).sum()).backward()
+        opt.step()
+    return model, opt
+
+
+def test_only_the_adapters_train_and_the_optimizer_holds_only_them(tiny, process_group):
+    path, _ = tiny
+    model = policy.build(path, process_group, torch.float32, lora=SETTINGS)
+    before = full(model)
+    # The first forward is the reference pass, as on step 1 of train.py: the adapters must still train after it.
+    with torch.no_grad(), lora.adapters_off(model):
+        model_logprobs(model, batches(0)[0])
+    opt = policy.optimizer(model, 1e-2, 0.0)
+    for seed in range(2):
+        (mb,) = batches(seed)
+        opt.zero_grad()
+        (-model_logprobs(model, mb).sum()).backward()
+        opt.step()
+    after = full(model)
+    adapters = {n for n in before if ".lora_A." in n or ".lora_B." in n}
+    assert len(adapters) == 2 * 2 * len(SETTINGS.targets)  # A and B, 2 layers, each target
+    for n in before:
+        if n in adapters:
+            assert not torch.equal(before[n], after[n]), n
+            assert torch.count_nonzero(before[n]) == 0 or ".lora_A." in n  # B starts at 0, A does not
+        else:
+            assert torch.equal(before[n], after[n]), n
+    assert {id(p) for g in opt.param_groups for p in g["params"]} == {id(p) for p in model.parameters() if p.requires_grad}
+    trainable, total = lora.trainable_count(model)
+    assert trainable == sum(before[n].numel() for n in adapters) and trainable < total / 10
+
+
+def test_a_reference_pass_first_keeps_the_fp32_gradient_reduction(tiny, process_group):
+    path, _ = tiny
+    model = policy.build(path, process_group, torch.bfloat16, lora=SETTINGS)  # bf16 compute, fp32 adapters
+    with torch.no_grad(), lora.adapters_off(model):  # step 1's first forward: FSDP2 fixes its dtypes here
+        model_logprobs(model, batches(0)[0])
+    assert dist.reduce_dtypes(model) == [None, torch.float32, torch.float32]  # the root holds no adapter
+    (-model_logprobs(model, batches(1)[0]).sum()).backward()
+    assert all(p.grad is not None for n, p in model.named_parameters() if ".lora_B." in n)
+
+
+def test_adapters_off_is_the_base_model(tiny, process_group):
+    path, _ = tiny
+    model, _ = trained(path, process_group)
+    base = policy.build(path, process_group, torch.float32, frozen=True)
+    mb = batches(7)[0]
+    with torch.no_grad():
+        with lora.adapters_off(model):
+            off = model_logprobs(model, mb)
+        on = model_logprobs(model, mb)
+        want = model_logprobs(base, mb)
+    torch.testing.assert_close(off, want, rtol=0, atol=1e-6)
+    assert (on - want).abs().max() > 1e-3  # the adapters did move the policy
+    assert all(p.requires_grad for n, p in model.named_parameters() if ".lora_" in n)  # restored after the pass
+
+
+def test_merged_weights_reproduce_the_adapted_model(tiny, process_group):
+    path, tok = tiny
+    model, _ = trained(path, process_group)
+    merged = dict(policy.hf_state(model))
+    plain = policy.load_model(path)
+    assert set(merged) == set(plain.state_dict()) - {"lm_head.weight"}  # base names, tied head once
+    plain.load_state_dict(merged, strict=False)
+    mb = batches(5)[0]
+    with torch.no_grad():
+        want = model_logprobs(model, mb)
+        got = policy.LogProbModel(plain)(mb["prompt_ids"], mb["prompt_mask"], mb["repeats"], mb["completion_ids"], mb["mask"])
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
+    # The HF sampler's log-probs of what it samples with the merged weights equal the trainer's on the same tokens.
+    sampler = HFSampler(policy.load_model(path), [256], tok.pad_token_id, process_group, tok)
+    sampler.load_weights(policy.hf_state(model))
+    groups = sampler.generate([[10, 11, 12], [20, 21]], 2, SamplingParams(temperature=1.0, max_new_tokens=6, seed=1))
+    for prompt, group in zip([[10, 11, 12], [20, 21]], groups):
+        for c in group:
+            mb = {"prompt_ids": torch.tensor([prompt]), "prompt_mask": torch.ones(1, len(prompt), dtype=torch.long),
+                  "repeats": torch.tensor([1]), "completion_ids": torch.tensor([c.token_ids]),
+                  "mask": torch.ones(1, len(c.token_ids))}
+            with torch.no_grad():
+                trainer = model_logprobs(model, mb)[0]
+            torch.testing.assert_close(torch.tensor(c.logprobs), trainer, rtol=0, atol=1e-5)
+
+
+def test_fake_vllm_engine_receives_merged_weights_under_base_names(tiny, process_group, monkeypatch):
+    import fake_vllm
+    from minigdpo.vllm_sampler import VLLMSampler
+
+    for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(key, raising=False)
+    fake_vllm.install(monkeypatch)
+    path, tok = tiny
+    model, _ = trained(path, process_group)
+    sampler = VLLMSampler(path, tok, [256], seed=3, max_model_len=128)
+    sampler.load_weights(policy.hf_state(model))
+    engine = fake_vllm.LLM.instances[-1]
+    hf = policy.load_model(path).state_dict()
+    assert dict(engine.model.received) == {k: tuple(v.shape) for k, v in hf.items() if k != "lm_head.weight"}
+    merged = dict(policy.hf_state(model))
+    layer = "model.layers.1."
+    q, v = merged[layer + "self_attn.q_proj.weight"], merged[layer + "self_attn.v_proj.weight"]
+    torch.testing.assert_close(engine.model.params[layer + "self_attn.qkv_proj.weight"],
+                               torch.cat([q, merged[layer + "self_attn.k_proj.weight"], v]))
+    assert not torch.equal(q, hf[layer + "self_attn.q_proj.weight"])  # merged, not the base weight
+    torch.testing.assert_close(engine.model.params[layer + "mlp.down_proj.weight"], merged[layer + "mlp.down_proj.weight"])
+
+
+def test_adapter_checkpoint_loads_with_peft_and_the_merged_export_with_transformers(tiny, process_group, tmp_path):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    path, tok = tiny
+    model, opt = trained(path, process_group)
+    sched = policy.scheduler(opt, 4, 0.0, "constant")
+    where = checkpoint.save(str(tmp_path), 1, model, opt, sched, tok, {"cursor": 0}, torch.float32, keep=2)
+    assert os.path.isdir(os.path.join(where, "hf"))  # export_hf: the merged model (--merge-on-save)
+    adapter = os.path.join(where, "adapter")
+    with open(os.path.join(adapter, "adapter_config.json")) as f:
+        saved = json.load(f)
+    assert (saved["r"], saved["lora_alpha"], saved["base_model_name_or_path"]) == (4, 8.0, path)
+    mb = batches(3)[0]
+    with torch.no_grad():
+        want = model_logprobs(model, mb)
+        for lm in (PeftModel.from_pretrained(policy.load_model(path), adapter).get_base_model(),  # adapters in place
+                   AutoModelForCausalLM.from_pretrained(os.path.join(where, "hf"))):
+            got = policy.LogProbModel(lm)(mb["prompt_ids"], mb["prompt_mask"], mb["repeats"], mb["completion_ids"], mb["mask"])
+            torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
+    # Without the export, hf/ is absent and eval.py merges base + adapter itself.
+    where = checkpoint.save(str(tmp_path), 2, model, opt, sched, tok, {"cursor": 0}, torch.float32, keep=2, export_hf=False)
+    assert sorted(os.listdir(where)) == ["COMPLETE", "adapter", "rng", "state", "trainer.json"]
+    out = lora.merge_adapter_dir(os.path.join(where, "adapter"), str(tmp_path / "merged"))
+    merged = AutoModelForCausalLM.from_pretrained(out).state_dict()
+    for name, t in policy.hf_state(model):
+        torch.testing.assert_close(merged[name], t, rtol=0, atol=1e-6)
+
+
+def test_resume_reaches_the_same_adapters_and_the_state_holds_only_them(tmp_path):
+    common = SMOKE + ["--lr-schedule", "constant", "--save-every", "1", "--keep-checkpoints", "5"]
+    a, b = str(tmp_path / "a"), str(tmp_path / "b")
+    run(common + ["--max-steps", "4", "--output-dir", a])
+    run(common + ["--max-steps", "2", "--output-dir", b])
+    proc = run(common + ["--max-steps", "4", "--output-dir", b, "--resume"])
+    assert "resumed from" in proc.stdout and "at step 2" in proc.stdout
+    wa, wb = [load_file(os.path.join(o, "checkpoints", "step_000004", "adapter", "adapter_model.safetensors")) for o in (a, b)]
+    assert wa.keys() == wb.keys() and len(wa) == 2 * 2 * 7  # A and B, 2 layers, the 7 default targets
+    for k in wa:
+        assert torch.equal(wa[k], wb[k]), k
+    assert any(torch.count_nonzero(t) for k, t in wa.items() if ".lora_B." in k)  # the adapters trained
+    rows = read_jsonl(os.path.join(b, "metrics.jsonl"))
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    assert all(r["sampler/logp_gap"] < 1e-4 for r in rows)  # the sampler gets the merged weights, also after resume
+    assert rows[-1]["kl"] > 0  # the reference (adapters off) differs from the trained policy
+    step = os.path.join(b, "checkpoints", "step_000004")
+    assert not os.path.exists(os.path.join(step, "hf"))  # no --merge-on-save
+    state = open(os.path.join(step, "state", ".metadata"), "rb").read()
+    assert b"lora_A" in state and b"base_layer" not in state  # the frozen base is not copied
+
+
+def test_update_on_two_ranks_equals_one_rank(tmp_path):
+    one, two = str(tmp_path / "one.pt"), str(tmp_path / "two.pt")
+    run(["tests/dist_update.py", one, "token_mean", "auto", "lora"], nproc=1)
+    run(["tests/dist_update.py", two, "token_mean", "auto", "lora"], nproc=2)
+    a, b = torch.load(one), torch.load(two)
+    assert a["stats"]["kl"] < 1e-7 and b["stats"]["kl"] < 1e-7  # B starts at 0: the first pass is the base model
+    for key in ["loss", "kl", "loss/pg", "grad_norm"]:
+        assert a["stats"][key] == pytest.approx(b["stats"][key], rel=1e-4, abs=1e-6), key
+    base = policy.load_model(policy.resolve_model("tiny-random")).state_dict()
+    moved = [n for n in a["params"] if not torch.equal(a["params"][n], base[n])]
+    assert moved and all(n.endswith(("q_proj.weight", "v_proj.weight", "down_proj.weight")) for n in moved)
+    for name, t in a["params"].items():
+        torch.testing.assert_close(t, b["params"][name], rtol=0, atol=1e-5, msg=name)
+
+
+def test_two_rank_run_trains_saves_and_merges(tmp_path):
+    out = str(tmp_path / "run")
+    run(SMOKE + ["--merge-on-save", "--output-dir", out], nproc=2)
+    rows = read_jsonl(os.path.join(out, "metrics.jsonl"))
+    assert [r["step"] for r in rows] == [1, 2] and rows[1]["sampler/logp_gap"] < 1e-4
+    step = os.path.join(out, "checkpoints", "step_000002")
+    from peft import PeftModel
+
+    merged = PeftModel.from_pretrained(policy.load_model(policy.resolve_model("tiny-random")),
+                                       os.path.join(step, "adapter")).merge_and_unload().state_dict()
+    export = load_file(os.path.join(step, "hf", "model.safetensors"))
+    for name, t in export.items():
+        torch.testing.assert_close(t, merged[name], rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["--lora-rank", "-1"], "--lora-rank must be >= 1 (or 0 for full fine-tuning), got -1"),
+    (["--lora-rank", "4", "--lora-targets", "q_proj,qproj"], "--lora-targets 'qproj' matches no linear layer of LlamaForCausalLM"),
+    (["--lora-rank", "4", "--lora-targets", "lm_head"], "'lm_head' matches lm_head, outside the decoder layers"),
+])
+def test_bad_lora_input_is_one_line_before_any_weights_load(tmp_path, flags, message):
+    proc = run(["train.py", "--preset", "smoke", "--output-dir", str(tmp_path)] + flags, check=False)
+    assert proc.returncode == 2
+    err = proc.stderr.strip()
+    assert "Traceback" not in err and len(err.splitlines()) == 1, err
+    assert message in err
+    assert "parameters:" not in proc.stdout  # stopped before the model was built
+
+
+def test_lora_values_are_checked():
+    for flags, message in [(["--lora-alpha", "16"], "--lora-alpha needs --lora-rank R >= 1 (0 turns LoRA off)"),
+                           (["--merge-on-save", "--lora-dropout", "0.1"], "--lora-dropout, --merge-on-save need --lora-rank"),
+                           (["--lora-rank", "4", "--ref-offload"], "--ref-offload does nothing with --lora-rank")]:
+        with pytest.raises(config.ConfigError) as e:
+            config.validate(config.parse_args(["--preset", "smoke"] + flags))
+        assert message in str(e.value)
+    for name, value, message in [("lora_alpha", 0.0, "--lora-alpha must be > 0"),
+                                 ("lora_dropout", 1.0, "--lora-dropout must be in [0, 1)"),
+                                 ("lora_targets", [], "--lora-targets must name at least one layer")]:
+        cfg = config.Config(preset="smoke", lora_rank=4)
+        setattr(cfg, name, value)
+        with pytest.raises(config.ConfigError, match=message.replace("[", r"\[").replace("(", r"\(").replace(")", r"\)")):
+            config.validate(cfg)
+    config.validate(config.Config(lora_rank=8, sampler="vllm"))  # vLLM is fine: it gets merged weights
+    assert config.parse_args(["--preset", "a100-lora"]).lora_rank == 32
