@@ -10,7 +10,11 @@ format rate, pass@k and length statistics, plus the task's own figures (the pape
 | math_length | exceed ratio: completions over the length limit             |
 | code        | pass rate, bug ratio, exceed ratio (the paper's Table 5)    |
 
-A minigdpo checkpoint (its hf/ directory, or the step directory) carries its run's config in
+A LoRA checkpoint's adapter/ directory (peft's format) is merged into its base model first (peft's
+merge_and_unload, written to OUT/merged_model), unless the run wrote the merged model to hf/
+(--merge-on-save), which is used as is.
+
+A minigdpo checkpoint (its hf/ or adapter/ directory, or the step directory) carries its run's config in
 trainer.json. eval.py takes from it every task setting not given on the command line: task,
 arith difficulty, prompt and completion lengths, length limit and unit, and answer format (which,
 with the task, fixes the system prompt: no other system prompt setting exists). It prints which
@@ -43,7 +47,7 @@ import time
 
 import torch
 
-from minigdpo import checkpoint, data, policy
+from minigdpo import checkpoint, data, lora, policy
 from minigdpo.config import Config
 from minigdpo.rewards import RewardScorer
 from minigdpo.sampler import SamplingParams, SamplerUnavailable, make_sampler
@@ -150,11 +154,14 @@ def paired_bootstrap(model, baseline, resamples=RESAMPLES, seed=0, level=0.95):
 def checkpoint_run(model):
     """(model path, the run's config dict) for a minigdpo checkpoint; (model, None) for anything else.
 
-    A checkpoint's hf/ directory sits beside trainer.json (minigdpo/checkpoint.py), so both the
-    hf/ directory and the step directory above it are recognised.
+    A checkpoint's hf/ (or LoRA adapter/) directory sits beside trainer.json (minigdpo/checkpoint.py),
+    so both that directory and the step directory above it are recognised; a step directory means
+    hf/ when it has one, else adapter/.
     """
-    if os.path.isfile(os.path.join(model, "trainer.json")) and os.path.isdir(os.path.join(model, "hf")):
-        model = os.path.join(model, "hf")
+    for sub in ("hf", "adapter"):
+        if os.path.isfile(os.path.join(model, "trainer.json")) and os.path.isdir(os.path.join(model, sub)):
+            model = os.path.join(model, sub)
+            break
     path = os.path.join(os.path.dirname(os.path.normpath(model)), "trainer.json")
     if not os.path.isdir(model) or not os.path.isfile(path):
         return model, None
@@ -186,6 +193,10 @@ def evaluate(model, args, examples, names, out_file):
     device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     path = policy.resolve_model(model)
+    if lora.is_adapter_dir(path):  # base + adapter, merged once into a directory every sampler loads
+        name = os.path.splitext(os.path.basename(out_file))[0].replace("completions", "merged_model")
+        path = lora.merge_adapter_dir(path, os.path.join(os.path.dirname(out_file), name))
+        print(f"{model}: merged with its base model into {path}", file=sys.stderr)
     tokenizer = policy.load_tokenizer(path)
     from transformers import AutoConfig, GenerationConfig
 
@@ -241,7 +252,8 @@ def comparison_table(rows, model, baseline, prompts, n, temperature):
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     run = "a checkpoint's run setting, else"  # help text of the settings a checkpoint can supply
-    p.add_argument("--model", required=True, help="hub name, local directory, checkpoint's hf/ directory, or tiny-random")
+    p.add_argument("--model", required=True,
+                   help="hub name, local directory, checkpoint's step, hf/ or adapter/ directory, or tiny-random")
     p.add_argument("--baseline", default="", help="a second model, evaluated the same way and compared with --model")
     p.add_argument("--task", choices=sorted(TASK_METRICS), help=f"default: {run} {RUN_SETTINGS['task']}")
     p.add_argument("--data", default="", help="local file or hub dataset; empty: the task's default")
@@ -310,7 +322,7 @@ def after_training(cfg):
         print("final evaluation skipped: the run has no complete checkpoint")
         return None
     print(f"\nfinal evaluation: held-out {cfg.task} problems, the trained model against {cfg.model}")
-    return main(["--model", os.path.join(last, "hf"), "--baseline", cfg.model, "--limit", str(cfg.final_eval),
+    return main(["--model", last, "--baseline", cfg.model, "--limit", str(cfg.final_eval),
                  "--sampler", cfg.sampler, "--output", os.path.join(cfg.output_dir, "final_eval")])
 
 

@@ -303,11 +303,23 @@ def _prune(output_dir, keep):
         shutil.rmtree(os.path.join(root(output_dir), name), ignore_errors=True)
 
 
+def _lora_flags(rank, targets):
+    return f"--lora-rank {rank}" + (f" --lora-targets {','.join(sorted(targets))}" if rank else "")
+
+
 def load(path, model, optimizer, sched):
-    """Restore model, optimizer, scheduler and this rank's RNG; returns the trainer state."""
-    dist.load_sharded(model, optimizer, os.path.join(path, "state"))
+    """Restore model, optimizer, scheduler and this rank's RNG; returns the trainer state.
+
+    A checkpoint trained with other LoRA settings (or without LoRA) holds other parameters: ConfigError."""
     with open(os.path.join(path, "trainer.json")) as f:
         state = json.load(f)
+    saved = state.get("config", {})
+    peft = model.lm.peft_config[lora.ADAPTER] if lora.has_adapters(model.lm) else None
+    ours = _lora_flags(peft.r, peft.target_modules) if peft else _lora_flags(0, [])
+    theirs = _lora_flags(saved.get("lora_rank", 0), saved.get("lora_targets", []))
+    if ours != theirs:
+        raise ConfigError(f"--resume: {path} was trained with {theirs}, this run has {ours}")
+    dist.load_sharded(model, optimizer, os.path.join(path, "state"))
     sched.load_state_dict(state["scheduler"])
     rng_file = os.path.join(path, "rng", f"rank{dist.rank()}.pt")
     if os.path.exists(rng_file):  # absent when resuming with more ranks than saved

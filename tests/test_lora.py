@@ -182,7 +182,7 @@ def test_adapter_checkpoint_loads_with_peft_and_the_merged_export_with_transform
 def test_resume_reaches_the_same_adapters_and_the_state_holds_only_them(tmp_path):
     common = SMOKE + ["--lr-schedule", "constant", "--save-every", "1", "--keep-checkpoints", "5"]
     a, b = str(tmp_path / "a"), str(tmp_path / "b")
-    run(common + ["--max-steps", "4", "--output-dir", a])
+    run(common + ["--max-steps", "4", "--output-dir", a, "--merge-on-save"])  # the export draws no RNG
     run(common + ["--max-steps", "2", "--output-dir", b])
     proc = run(common + ["--max-steps", "4", "--output-dir", b, "--resume"])
     assert "resumed from" in proc.stdout and "at step 2" in proc.stdout
@@ -196,9 +196,24 @@ def test_resume_reaches_the_same_adapters_and_the_state_holds_only_them(tmp_path
     assert all(r["sampler/logp_gap"] < 1e-4 for r in rows)  # the sampler gets the merged weights, also after resume
     assert rows[-1]["kl"] > 0  # the reference (adapters off) differs from the trained policy
     step = os.path.join(b, "checkpoints", "step_000004")
-    assert not os.path.exists(os.path.join(step, "hf"))  # no --merge-on-save
+    assert not os.path.exists(os.path.join(step, "hf"))  # no --merge-on-save here
     state = open(os.path.join(step, "state", ".metadata"), "rb").read()
     assert b"lora_A" in state and b"base_layer" not in state  # the frozen base is not copied
+    # A checkpoint with adapters does not resume a run without them (or with others): one line.
+    proc = run(SMOKE[:-4] + ["--max-steps", "4", "--output-dir", b, "--resume"], check=False)
+    assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+    assert "was trained with --lora-rank 4 --lora-targets down_proj,gate_proj" in proc.stderr
+    assert proc.stderr.strip().endswith("this run has --lora-rank 0")
+    # eval.py takes the step directory: its adapter/, merged into the base model, with the run's settings.
+    import eval as evaluate
+
+    summary = evaluate.main(["--model", step, "--limit", "2", "--sampler", "hf", "--output", str(tmp_path / "eval")])
+    assert summary["prompts"] == 2 and summary["length/max"] <= 8  # the smoke run's max_new_tokens
+    merged = load_file(os.path.join(tmp_path, "eval", "merged_model", "model.safetensors"))  # merged by peft
+    export = load_file(os.path.join(a, "checkpoints", "step_000004", "hf", "model.safetensors"))  # by the trainer
+    assert set(export) <= set(merged) and set(merged) - set(export) <= {"lm_head.weight"}  # tied: saved once or twice
+    for name, t in export.items():
+        torch.testing.assert_close(merged[name], t, rtol=0, atol=1e-6, msg=name)
 
 
 def test_update_on_two_ranks_equals_one_rank(tmp_path):
@@ -261,3 +276,17 @@ def test_lora_values_are_checked():
             config.validate(cfg)
     config.validate(config.Config(lora_rank=8, sampler="vllm"))  # vLLM is fine: it gets merged weights
     assert config.parse_args(["--preset", "a100-lora"]).lora_rank == 32
+
+
+def test_memory_plan_counts_the_7b_adapters_exactly():
+    import sys
+
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
+    import memory_plan
+
+    rows, s = memory_plan.plan(config.parse_args(["--preset", "a100-lora"]))
+    # Qwen2.5-7B: per layer, rank 32 x (in + out) of q (3584+3584), k and v (3584+512), o (3584+3584),
+    # gate and up (3584+18944) and down (18944+3584); 28 layers.
+    assert s["adapters"] == 28 * 32 * (2 * 7168 + 2 * 4096 + 3 * 22528) == 80_740_352
+    assert s["parameters"] == 7_615_616_512  # the hub's 7.62 B
+    assert dict((what, size) for what, size, _ in rows)["base weights, bf16, frozen (no master copy)"] == 2 * s["parameters"]

@@ -192,6 +192,8 @@ BAD_VALUES = {  # every config field, with a value it must refuse (the test belo
     "answer_format": "latex", "arith_difficulty": 7, "reward_timeout": 0.0, "skip_bad_rows": None, "dtype": "fp8",
     "grad_checkpointing": None, "ref_offload": None, "logprob_chunk": 0, "output_dir": "", "save_every": -1,
     "keep_checkpoints": 0, "on_save_error": "ignore", "sharding": "zero3", "final_eval": -1, "resume": None, "samples_every": -1, "wandb": None,
+    # LoRA: a negative rank; at rank 0 (smoke's) any other LoRA flag is refused; see tests/test_lora.py for rank > 0
+    "lora_rank": -1, "lora_alpha": float("nan"), "lora_dropout": 1.0, "lora_targets": [], "merge_on_save": True,
 }
 CHECKED_ELSEWHERE = {  # fields whose bad values are only known once data, rewards or the machine are consulted
     "data": "a missing file (test_train)", "rewards": "an unknown name (test_train)",
