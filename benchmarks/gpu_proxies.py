@@ -221,9 +221,9 @@ def export_figures(model, tokenizer, path, source, args):
         held["files"].append((sum(t.numel() * t.element_size() for t in tensors.values()), len(tensors)))
         return orig_save(tensors, filename, metadata=metadata)
 
-    def full_tensor(t):
-        out = orig_full(t)
-        held["full_bytes"] += out.numel() * out.element_size()
+    def full_tensor(t, *args, **kwargs):
+        out = orig_full(t, *args, **kwargs)
+        held["full_bytes"] += out.numel() * out.element_size() if out is not None else 0
         return out
 
     checkpoint.save_file, dist.full_tensor = save_file, full_tensor

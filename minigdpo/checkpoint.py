@@ -141,8 +141,9 @@ def resume_point(output_dir):
 def _write_hf(model, tokenizer, path, dtype, step):
     """A Hugging Face directory, streamed: rank 0 writes each safetensors file as soon as it is full.
 
-    Every rank iterates hf_state to its end, since each step is a collective. A write that fails on
-    rank 0 stops its writing, not its iterating, so the ranks stay in step; returns the error or "".
+    Every rank iterates hf_state to its end, since each step is a collective (a gather to rank 0: no
+    other rank holds a whole tensor). A write that fails on rank 0 stops its writing, not its
+    iterating, so the ranks stay in step; returns the error or "".
     """
     main, error, files, current, size = dist.is_main(), "", [], {}, 0
 
@@ -158,7 +159,7 @@ def _write_hf(model, tokenizer, path, dtype, step):
             os.makedirs(path, exist_ok=True)
     except OSError as e:
         error = _explain(e, path)
-    for name, tensor in hf_state(model, dtype):  # every rank iterates: each step is a collective
+    for name, tensor in hf_state(model, dtype, main_only=True):  # every rank iterates: each step is a collective
         if not main or error:
             continue
         try:

@@ -17,7 +17,7 @@ import torch.distributed as tdist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
 from torch.distributed.tensor import DTensor
 
 _device = None   # the training device, set by init(): every collective's tensors go there
@@ -138,18 +138,22 @@ def broadcast_object(obj, src=0):
     return box[0]
 
 
-def shard(model, layers, param_dtype=None, offload=False, reshard_after_forward=True):
+def shard(model, layers, param_dtype=None, offload=False, reshard_after_forward=True, forward_methods=()):
     """FSDP2: fully_shard each decoder layer, then the root, over the mesh built by init().
 
     param_dtype (e.g. bf16) casts parameters for compute while master weights and gradient
     reduction stay fp32. offload keeps the shards in CPU memory (for the frozen reference); pinned
-    memory needs an accelerator, so it is pinned only on one.
+    memory needs an accelerator, so it is pinned only on one. forward_methods: names of layer methods
+    that FSDP2 treats as forward calls too (gather before, free after), where a layer has them.
     """
     kwargs = dict(mesh=_mesh, mp_policy=MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32))
     if offload:
         kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=device().type != "cpu")
     for layer in layers:
         fully_shard(layer, reshard_after_forward=reshard_after_forward, **kwargs)
+        for name in forward_methods:
+            if hasattr(layer, name):
+                register_fsdp_forward_method(layer, name)
     fully_shard(model, **kwargs)  # the root keeps its parameters between forward and backward
     return model
 
@@ -221,9 +225,29 @@ def fsdp_collectives_module():
     return _fsdp_param_group
 
 
-def full_tensor(t):
-    """The whole tensor behind a (possibly sharded) parameter. Every rank must call it, in the same order."""
-    return t.full_tensor() if isinstance(t, DTensor) else t
+def full_tensor(t, main_only=False):
+    """The whole tensor behind a (possibly sharded) parameter. Every rank must call it, in the same order.
+
+    main_only=True gathers it on rank 0 alone and returns None on the other ranks: for a writer that
+    only rank 0 runs (the Hugging Face export), no other rank holds a whole tensor.
+    """
+    if not main_only or world_size() == 1:
+        return t.full_tensor() if isinstance(t, DTensor) else t
+    if not isinstance(t, DTensor):
+        return t if is_main() else None
+    # FSDP2 shards dim 0 along the mesh's last dimension, as torch.chunk does: equal blocks of
+    # ceil(rows / ranks) rows, the last ones shorter or empty. Rank 0 gathers its node's blocks (with
+    # HSDP, the other nodes hold replicas of them and take no part), padded to one size, then trims.
+    group = t.device_mesh.get_group(t.device_mesh.ndim - 1)
+    if 0 not in tdist.get_process_group_ranks(group):  # another node's replica of the same blocks
+        return None
+    local, rows = t.to_local(), t.shape[0]
+    block = -(-rows // tdist.get_world_size(group))
+    padded = local.new_zeros((block,) + tuple(local.shape[1:]))
+    padded[:local.shape[0]] = local
+    blocks = [torch.empty_like(padded) for _ in range(tdist.get_world_size(group))] if is_main() else None
+    tdist.gather(padded, blocks, group_dst=0, group=group)
+    return torch.cat(blocks)[:rows] if is_main() else None
 
 
 class SaveError(OSError):

@@ -161,12 +161,13 @@ def adapters_off(model):
             p.requires_grad_(flag)
 
 
-def merged_state(lm, dtype, skip):
+def merged_state(lm, dtype, skip, main_only=False):
     """Yield (base model's Hugging Face name, whole tensor): each adapted weight merged,
     W + (alpha / R) B A, computed in fp32; every other tensor as it is; the adapters themselves not.
 
     Names in `skip` (tied weights) are left out. Every rank must iterate to the end, in the same order:
-    each gather is a collective.
+    each gather is a collective. main_only=True gathers on rank 0 alone, and merges there; the other
+    ranks get None (dist.full_tensor).
     """
     layers = dict(lora_layers(lm))
     state = lm.state_dict(keep_vars=True)
@@ -175,14 +176,17 @@ def merged_state(lm, dtype, skip):
             continue
         prefix, _, leaf = name.rpartition(".base_layer.")
         if prefix in layers and leaf == "weight":
-            A = dist.full_tensor(state[f"{prefix}.lora_A.{ADAPTER}.weight"].detach())   # (R, in)
-            B = dist.full_tensor(state[f"{prefix}.lora_B.{ADAPTER}.weight"].detach())   # (out, R)
-            W = dist.full_tensor(t.detach())                                           # (out, in)
+            A = dist.full_tensor(state[f"{prefix}.lora_A.{ADAPTER}.weight"].detach(), main_only)   # (R, in)
+            B = dist.full_tensor(state[f"{prefix}.lora_B.{ADAPTER}.weight"].detach(), main_only)   # (out, R)
+            W = dist.full_tensor(t.detach(), main_only)                                           # (out, in)
+            if W is None:  # main_only, on another rank
+                yield f"{prefix}.weight", None
+                continue
             merged = W.float() + layers[prefix].scaling[ADAPTER] * (B.float() @ A.float())  # (out, in)
             yield f"{prefix}.weight", merged.to(dtype or W.dtype)
         else:  # a bias of an adapted layer, or any other tensor: its name without the ".base_layer"
             t = t.detach()
-            yield name.replace(".base_layer.", "."), dist.full_tensor(t.to(dtype) if dtype is not None else t)
+            yield name.replace(".base_layer.", "."), dist.full_tensor(t.to(dtype) if dtype is not None else t, main_only)
 
 
 def adapter_state(lm):

