@@ -349,7 +349,7 @@ def run_training(argv=None):
 
     log.close()
     dist.print0(metrics.start_end_table(log.first, log.recent, reward_names))
-    dist.cleanup()
+    dist.cleanup(together=True)
     if cfg.final_eval and rank == 0:  # after the process group is gone, so no other rank waits on this one
         import eval as evaluation
 

@@ -69,10 +69,15 @@ def device():
     return _device if _device is not None else torch.device("cpu")
 
 
-def cleanup():
+def cleanup(together=False):
+    """Destroy the process group. together=True (the end of a run that every rank reached) waits
+    at a barrier first, so that no rank closes its connections while a peer may still be reading
+    the end of the last collective from them. Error paths leave at once: a peer may never arrive."""
     global _mesh
     _mesh = None
     if tdist.is_initialized():
+        if together:
+            barrier()
         tdist.destroy_process_group()
 
 
