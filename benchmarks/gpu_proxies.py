@@ -35,7 +35,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 import train  # noqa: E402
 from minigdpo import checkpoint, dist, policy  # noqa: E402
-from minigdpo.sampler import Completion, HFSampler, SamplingParams  # noqa: E402
+from minigdpo.sampler import Completion, HFSampler, SamplingParams, sync_every  # noqa: E402
 
 MB = 1024**2
 SAFETENSORS_DTYPES = {"BF16": "bfloat16", "F16": "float16", "F32": "float32"}
@@ -199,6 +199,7 @@ def sampler_syncs_per_token(path, dtype, args):
     lm = policy.load_model(path, dtype)
     unreachable = lm.config.vocab_size  # a stop id no row can draw: every row runs to max_new_tokens
     sampler = HFSampler(lm, [unreachable], 257, torch.device("cpu"))
+    sampler.sync_every = sync_every(torch.device("cuda"))  # what it does on a GPU (on the CPU it checks every step)
     prompts = [[10, 11, 12], [20, 21]]
     counts = []
     for length in (16, 48):

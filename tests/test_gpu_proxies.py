@@ -91,14 +91,16 @@ def test_export_keeps_the_source_checkpoints_dtype(process_group, tmp_path):
 
 def test_hf_sampler_syncs_the_host_once_per_16_tokens_with_identical_output():
     from benchmarks.gpu_proxies import HostSyncs
-    from minigdpo.sampler import HFSampler, SamplingParams
+    from minigdpo.sampler import HFSampler, SamplingParams, sync_every
 
+    assert sync_every(torch.device("cpu")) == 1  # on the CPU a check is free and extra steps are not
     path = policy.resolve_model("tiny-random")
     lm = policy.load_model(path)
     prompts = [[10, 11, 12, 13, 14, 15], [20], [30, 31, 32]]  # left padding: the decode steps need a mask
     counts = []
     for length in (16, 48):
         sampler = HFSampler(lm, [lm.config.vocab_size], 257, torch.device("cpu"))  # a stop id no row draws
+        sampler.sync_every = sync_every(torch.device("cuda"))  # what it does on a GPU
         with HostSyncs() as syncs:
             sampler.generate(prompts, 2, SamplingParams(temperature=1.0, max_new_tokens=length, seed=1))
         counts.append(syncs.count)
@@ -106,6 +108,7 @@ def test_hf_sampler_syncs_the_host_once_per_16_tokens_with_identical_output():
     # stopping as soon as every row is done, or up to 15 tokens later, gives the same completions
     sampler = HFSampler(lm, [65, 66, 67, 68, 69, 70], 257, torch.device("cpu"))
     params = SamplingParams(temperature=1.0, max_new_tokens=30, seed=5)
+    sampler.sync_every = sync_every(torch.device("cuda"))
     lazy = sampler.generate(prompts, 3, params)
     sampler.sync_every = 1
     eager = sampler.generate(prompts, 3, params)
