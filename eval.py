@@ -28,8 +28,8 @@ It writes every completion to OUT/completions.jsonl (and OUT/completions_baselin
 figures to OUT/summary.json.
 
   # The CPU demo's checkpoint against the model it started from, on 128 held-out problems
-  # (train.py --preset cpu-demo runs this itself at the end): task arith, difficulty 1 and
-  # 256/48 prompt/completion tokens come from the checkpoint.
+  # (train.py --preset cpu-demo runs this itself at its end, on the first 64): task arith,
+  # difficulty 1 and 256/48 prompt/completion tokens come from the checkpoint.
   python eval.py --model runs/cpu-demo/checkpoints/step_000012/hf --baseline HuggingFaceTB/SmolLM2-135M-Instruct --limit 128
   python eval.py --model runs/gdpo/checkpoints/step_000050/hf --task gsm8k --data ../shared/data/gsm8k/test.jsonl
   python eval.py --model Qwen/Qwen2.5-1.5B-Instruct --task gsm8k --n 8 --temperature 0.7   # pass@1..8

@@ -49,6 +49,15 @@ def left_pad(prompts, pad_id, device):
     return ids.to(device), mask.to(device)
 
 
+def common_prefix(prompts):
+    """Length of the longest token prefix all prompts share."""
+    first, n = prompts[0], min(len(p) for p in prompts)
+    for i in range(n):
+        if any(p[i] != first[i] for p in prompts):
+            return i
+    return n
+
+
 def sample_next(logits, params, generator):
     """Draw one token per row from (N, V) logits; returns tokens and their log-probs (N,).
 
@@ -85,7 +94,8 @@ def sync_every(device):
 class HFSampler:
     """Batched sampling with a plain (unsharded) Hugging Face model and its KV cache.
 
-    Each prompt is prefilled once and its cache is copied to its n samples. Every sequence
+    The prompts' common prefix is prefilled once, each prompt's own tokens once, and each
+    prompt's cache is copied to its n samples. Every sequence
     stops at its own stop token; the batch ends when all have stopped or at max_new_tokens.
     The model is a separate inference copy: `load_weights` refreshes it after each update.
     """
@@ -103,10 +113,7 @@ class HFSampler:
     @torch.no_grad()
     def generate(self, prompts, n, params):
         B = len(prompts)
-        ids, mask = left_pad(prompts, self.pad_id, self.device)            # (B, P)
-        pos = (mask.cumsum(-1) - 1).clamp(min=0)                            # (B, P)
-        out = self.model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True, logits_to_keep=1)
-        cache, logits = out.past_key_values, out.logits[:, -1]              # (B, V)
+        cache, logits, mask = self._prefill(prompts)                        # (B, V), (B, P)
         if n > 1:  # share the prefill: copy each prompt's cache to its n samples
             cache.batch_repeat_interleave(n)
             logits, mask = logits.repeat_interleave(n, 0), mask.repeat_interleave(n, 0)  # (N, V), (N, P)
@@ -136,6 +143,30 @@ class HFSampler:
             cache, logits = out.past_key_values, out.logits[:, -1]
             next_pos = next_pos + 1
         return self._completions(tokens.cpu(), logps.cpu(), lengths.cpu(), B, n)
+
+    def _prefill(self, prompts):
+        """Run the prompts through the model: the KV cache, the logits of each prompt's last token
+        (B, V), and the (B, P) mask of the positions the cache holds (0 = padding).
+
+        The prompts' longest common prefix (a task's system prompt and examples, often most of a
+        prompt) runs once, and its cache is copied to every row; then each prompt's own tokens run
+        after it, left-padded, so the padding sits between the two. Positions count real tokens
+        only, so each row gets the keys, values and logits it gets alone.
+        """
+        B = len(prompts)
+        shared = min(common_prefix(prompts), min(len(p) for p in prompts) - 1) if B > 1 else 0  # every row keeps a token
+        cache = None
+        if shared > 0:
+            out = self.model(input_ids=torch.tensor([prompts[0][:shared]], device=self.device), use_cache=True,
+                             logits_to_keep=1)
+            cache = out.past_key_values
+            cache.batch_repeat_interleave(B)                                # (1, ...) -> (B, ...)
+        ids, own = left_pad([p[shared:] for p in prompts], self.pad_id, self.device)  # (B, S)
+        pos = shared + (own.cumsum(-1) - 1).clamp(min=0)                    # (B, S)
+        mask = torch.cat([own.new_ones((B, shared)), own], dim=1)          # (B, shared + S)
+        out = self.model(input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=cache,
+                         use_cache=True, logits_to_keep=1)
+        return out.past_key_values, out.logits[:, -1], mask
 
     def _decode_mask(self, mask):
         """The (N, L) padding mask of one decode step, as SDPA takes it: (N, 1, 1, L), True = attend.

@@ -115,7 +115,7 @@ def test_final_evaluation_on_two_ranks_runs_once(tmp_path):
 
 
 def test_no_final_eval_flag():
-    assert config.parse_args(["--preset", "cpu-demo"]).final_eval == 128
+    assert config.parse_args(["--preset", "cpu-demo"]).final_eval == 64
     assert config.parse_args(["--preset", "cpu-demo", "--no-final-eval"]).final_eval == 0
     with pytest.raises(config.ConfigError, match="--final-eval must be >= 0"):
         config.validate(config.parse_args(["--final-eval", "-1"]))

@@ -154,6 +154,31 @@ def test_sampler_logprobs_match_a_full_forward_and_stop_per_sequence(tiny):
     assert [c.token_ids for g in again for c in g] == [c.token_ids for g in out for c in g]
 
 
+def test_sampler_prefills_a_shared_prefix_once_with_the_same_completions(tiny):
+    """Prompts that share a system prompt: the prefix runs once, the rest per prompt after it (padding in
+    between), and every completion and log-prob is what the prompt gets alone, within float tolerance."""
+    path, tok = tiny
+    lm = policy.load_model(path)
+    prefix = list(range(40, 60))
+    prompts = [prefix + [10, 11, 12], prefix + [20], prefix + [30, 31, 32, 33, 34, 35], prefix[:12] + [99]]
+    sampler = HFSampler(lm, [65, 66, 67], tok.pad_token_id, torch.device("cpu"))
+    shapes = []
+    forward = lm.forward
+    lm.forward = lambda *a, **kw: shapes.append(tuple(kw["input_ids"].shape)) or forward(*a, **kw)
+    params = SamplingParams(temperature=0.0, max_new_tokens=12, seed=3)
+    together = sampler.generate(prompts, 2, params)
+    assert shapes[:2] == [(1, 12), (4, 26 - 12)]  # the common prefix once, then each prompt's own tokens
+    alone = [sampler.generate([p], 2, params)[0] for p in prompts]
+    lm.forward = forward
+    for p, got, want in zip(prompts, together, alone):
+        for c, w in zip(got, want):
+            assert c.token_ids == w.token_ids and c.finish_reason == w.finish_reason
+            torch.testing.assert_close(torch.tensor(c.logprobs), torch.tensor(w.logprobs), atol=1e-5, rtol=0)
+            with torch.no_grad():  # and what a full forward of prompt + completion gives
+                logits = lm(torch.tensor([p + c.token_ids])).logits[0, len(p) - 1:-1]
+            assert c.token_ids == logits.argmax(-1).tolist()
+
+
 def test_top_p_and_greedy():
     logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]])).repeat(2000, 1)
     g = torch.Generator().manual_seed(0)
