@@ -25,7 +25,7 @@ on a frozen base; step 5's reference is the same model with its adapters switche
 pushes the merged weights, base + (alpha / R) B A (minigdpo/lora.py).
 
 Launch:
-  python train.py --preset cpu-demo                          # offline CPU demo, ~6 min on 2 cores
+  python train.py --preset cpu-demo                          # offline CPU demo, ~11 min on 2 cores
   python train.py --preset smoke                             # tiny random model, seconds
   python train.py --preset a100 --estimator gdpo             # one 80 GB A100
   python train.py --preset a100-lora --estimator gdpo        # Qwen2.5-7B-Instruct with LoRA on one 80 GB A100
