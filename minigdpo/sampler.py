@@ -95,8 +95,8 @@ class HFSampler:
     """Batched sampling with a plain (unsharded) Hugging Face model and its KV cache.
 
     The prompts' common prefix is prefilled once, each prompt's own tokens once, and each
-    prompt's cache is copied to its n samples. Every sequence
-    stops at its own stop token; the batch ends when all have stopped or at max_new_tokens.
+    prompt's cache is copied to its n samples. Every sequence stops at its own stop token;
+    the batch ends when all have stopped or at max_new_tokens.
     The model is a separate inference copy: `load_weights` refreshes it after each update.
     """
 

@@ -41,6 +41,13 @@ def run(args, nproc=1, env=None, timeout=300, check=True):
     return proc
 
 
+def refused(proc):
+    """The one-line error of a run that stopped with exit status 2 and no traceback."""
+    err = proc.stderr.strip()
+    assert proc.returncode == 2 and "Traceback" not in err and len(err.splitlines()) == 1, err
+    return err
+
+
 def read_jsonl(path):
     with open(path) as f:
         return [json.loads(line) for line in f if line.strip()]

@@ -10,7 +10,6 @@ Run: pytest tests/test_cluster.py   (about 4 minutes on 2 cores)
 import ast
 import glob
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -19,34 +18,11 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from benchmarks.cluster_sim import kill_tree, torchrun
 from conftest import ROOT, free_port, read_jsonl, run
 from minigdpo import dist
 
 SMOKE = ["--preset", "smoke", "--rewards", "tests.helpers:digit_frac,tests.helpers:vowel_frac,format"]
-
-
-def kill_tree(pid):
-    """SIGKILL a process and all its descendants. torchrun starts each rank in a session of its
-    own, so killing torchrun's process group would leave the ranks running, holding our pipes."""
-    children = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue
-            children.setdefault(ppid, []).append(int(entry))
-    todo, tree = [pid], []
-    while todo:
-        p = todo.pop()
-        tree.append(p)
-        todo += children.get(p, [])
-    for p in tree:
-        try:
-            os.kill(p, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
 
 
 def launch(commands, timeout=120, env=None):
@@ -73,11 +49,6 @@ def launch(commands, timeout=120, env=None):
 def no_project_traceback(stderr):
     """torchrun prints its own traceback when a rank exits non-zero; the ranks themselves must not."""
     return f'File "{ROOT}' not in stderr
-
-
-def torchrun(nnodes, node_rank, nproc, port, args):
-    return [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(nnodes), "--node_rank", str(node_rank),
-            "--nproc_per_node", str(nproc), "--master_addr", "127.0.0.1", "--master_port", str(port)] + args
 
 
 def two_nodes(args, cwds, nproc=1):

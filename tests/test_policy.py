@@ -58,15 +58,9 @@ def model_logprobs(model, mb, temperature=1.0, chunk=1024, entropy=False, share_
                  chunk, entropy, share_prefix)
 
 
-@pytest.mark.parametrize("chunk,share_prefix", [(1, True), (3, True), (1024, True), (3, False)])
-def test_chunked_logprobs_equal_naive_values_and_gradients(tiny, chunk, share_prefix):
-    path, _ = tiny
-    lm = policy.load_model(path)
-    model = policy.LogProbModel(lm)
-    (mb,) = batches()
-    T = mb["mask"].shape[1]
-    got = model_logprobs(model, mb, 0.7, chunk, share_prefix=share_prefix)
-    want = naive_logprobs(lm, mb, 0.7)
+def assert_same_values_and_gradients(lm, got, want):
+    """got and want (N, T) log-probs agree, and so do lm's gradients of a position-weighted sum of each."""
+    T = got.shape[1]
     torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
     (got * torch.arange(T)).sum().backward()
     grads = [p.grad.clone() for p in lm.parameters()]
@@ -74,6 +68,17 @@ def test_chunked_logprobs_equal_naive_values_and_gradients(tiny, chunk, share_pr
     (want * torch.arange(T)).sum().backward()
     for a, p in zip(grads, lm.parameters()):
         torch.testing.assert_close(a, p.grad, atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("chunk,share_prefix", [(1, True), (3, True), (1024, True), (3, False)])
+def test_chunked_logprobs_equal_naive_values_and_gradients(tiny, chunk, share_prefix):
+    path, _ = tiny
+    lm = policy.load_model(path)
+    model = policy.LogProbModel(lm)
+    (mb,) = batches()
+    got = model_logprobs(model, mb, 0.7, chunk, share_prefix=share_prefix)
+    want = naive_logprobs(lm, mb, 0.7)
+    assert_same_values_and_gradients(lm, got, want)
 
 
 @pytest.mark.parametrize("arch,attn", [("qwen2", "sdpa"), ("qwen3", "sdpa"), ("llama", "eager"), ("mistral", "sdpa")])
@@ -89,16 +94,9 @@ def test_shared_prefix_pass_equals_full_sequences_for_each_supported_model_type(
     model = policy.LogProbModel(lm)
     assert model.shares_prefix
     (mb,) = batches(seed=7)
-    T = mb["mask"].shape[1]
     got = model_logprobs(model, mb, 0.8, 5)
     want = naive_logprobs(lm, mb, 0.8)
-    torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
-    (got * torch.arange(T)).sum().backward()
-    grads = [p.grad.clone() for p in lm.parameters()]
-    lm.zero_grad()
-    (want * torch.arange(T)).sum().backward()
-    for a, p in zip(grads, lm.parameters()):
-        torch.testing.assert_close(a, p.grad, atol=1e-5, rtol=1e-4)
+    assert_same_values_and_gradients(lm, got, want)
 
 
 def test_models_the_shared_prefix_pass_does_not_cover_run_full_sequences():
