@@ -132,7 +132,8 @@ def update(model, opt, sched, batches, cfg, num_tokens, num_seqs):
                 is_weight = torch.exp(old - mb["sampler_logp"]).clamp(max=cfg.tis_cap) * mb["mask"]
             loss, stats = policy_loss(logp, old, mb.get("ref_logp"), mb["adv"], mb["mask"], clip_low=cfg.clip_low,
                                       clip_high=cfg.clip_high, beta=cfg.beta, agg=cfg.loss_agg, num_tokens=num_tokens,
-                                      num_seqs=num_seqs, max_len=cfg.max_new_tokens, is_weight=is_weight)
+                                      num_seqs=num_seqs, max_len=cfg.max_new_tokens, num_micro_batches=len(batches),
+                                      is_weight=is_weight)
             loss.backward()
             if it == 0:
                 stats["entropy"] = (entropy * mb["mask"]).sum()

@@ -11,6 +11,8 @@ import inspect
 import math
 from dataclasses import MISSING, asdict, dataclass, field, fields  # noqa: F401  (fields is used by callers)
 
+from minigdpo.loss import AGGREGATIONS, TRL_NAMES
+
 
 # The attention and MLP projections of Llama, Qwen2 and Mistral (and SmolLM2, a Llama).
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -68,8 +70,9 @@ class Config:
     """Lower clip of the ratio: 1 - clip_low."""
     clip_high: float = 0.2
     """Upper clip of the ratio: 1 + clip_high (DAPO's clip-higher uses 0.28)."""
-    loss_agg: str = "token_mean"
-    """Loss aggregation: token_mean, seq_mean_token_mean (original GRPO) or seq_mean_token_sum_norm (Dr. GRPO)."""
+    loss_agg: str = "micro_batch_token_mean"
+    """Loss aggregation (TRL's loss_type names work too): micro_batch_token_mean (bnpo, the paper's released
+    default), token_mean (dapo), seq_mean_token_mean (grpo) or seq_mean_token_sum_norm (dr_grpo). See minigdpo/loss.py."""
     epochs: float = 1.0
     """Passes over the prompt set, used when max_steps is 0."""
     max_steps: int = 0
@@ -184,7 +187,7 @@ CHOICES = {
     "estimator": ("gdpo", "grpo", "grpo_no_std", "gdpo_verl", "gdpo_nemo"),
     "task": ("gsm8k", "arith", "toolcall", "math_length", "code"),
     "lr_schedule": ("cosine", "constant"),
-    "loss_agg": ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"),
+    "loss_agg": AGGREGATIONS + tuple(TRL_NAMES),
     "sampler": ("auto", "hf", "vllm"),
     "dtype": ("auto", "bf16", "fp32"),
     "length_unit": ("tokens", "words"),

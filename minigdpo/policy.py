@@ -15,6 +15,7 @@ import importlib.util
 import json
 import math
 import os
+import re
 import shutil
 import tempfile
 
@@ -409,10 +410,22 @@ def tied_names(model):
 
 # Optimisation -------------------------------------------------------------------------------------
 
+# Parameters the Hugging Face Trainer exempts from weight decay, by name (Trainer.get_decay_parameter_names,
+# transformers 5.20): biases and normalisation weights. TRL's trainers, and so the paper's runs, use its optimizer.
+NO_DECAY = re.compile(r"bias|layernorm|rmsnorm|(?:^|\.)norm(?:$|\.)|_norm(?:$|\.)")
+
+
 def optimizer(model, lr, weight_decay):
-    params = [p for p in model.parameters() if p.requires_grad]
+    """AdamW over the parameters that require grad; biases and normalisation weights (by name, or inside an
+    nn.LayerNorm) get no weight decay, as in the Hugging Face Trainer."""
+    in_layernorm = {id(p) for m in model.modules() if isinstance(m, nn.LayerNorm) for p in m.parameters()}
+    decay, no_decay = [], []
+    for name, p in model.named_parameters():
+        if p.requires_grad:
+            (no_decay if NO_DECAY.search(name.lower()) or id(p) in in_layernorm else decay).append(p)
+    groups = [{"params": ps, "weight_decay": wd} for ps, wd in ((decay, weight_decay), (no_decay, 0.0)) if ps]
     # fused: one kernel per step, no foreach temporaries the size of the model
-    return torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.999), eps=1e-8, weight_decay=weight_decay, fused=True)
+    return torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.999), eps=1e-8, fused=True)
 
 
 def lr_lambda(total_steps, warmup_ratio, schedule):

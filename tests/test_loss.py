@@ -81,6 +81,27 @@ def test_aggregations():
         policy_loss(logp, logp, None, adv, mask, agg="sum", **kw)
 
 
+def test_micro_batch_token_mean_weighs_micro_batches_alike():
+    """bnpo: each micro-batch is divided by its own token count, then by the micro-batches per step."""
+    logp = torch.zeros(1, 3)
+    a, _ = policy_loss(logp, logp, None, torch.tensor([1.0]), torch.tensor([[1.0, 1.0, 1.0]]), beta=0.0,
+                       agg="micro_batch_token_mean", num_micro_batches=2)
+    b, _ = policy_loss(logp, logp, None, torch.tensor([3.0]), torch.tensor([[1.0, 0.0, 0.0]]), beta=0.0,
+                       agg="micro_batch_token_mean", num_micro_batches=2)
+    assert (a + b).item() == pytest.approx(-(3 / 3 + 3 / 1) / 2)  # token_mean over both would give -6 / 4
+
+
+@pytest.mark.parametrize("trl,ours", [("bnpo", "micro_batch_token_mean"), ("dapo", "token_mean"),
+                                      ("grpo", "seq_mean_token_mean"), ("dr_grpo", "seq_mean_token_sum_norm")])
+def test_trl_loss_type_names_select_the_same_aggregation(trl, ours):
+    g = torch.Generator().manual_seed(1)
+    logp, adv = torch.randn(3, 4, generator=g), torch.randn(3, generator=g)
+    mask = torch.tensor([[1.0, 1.0, 0.0, 0.0], [1.0, 1.0, 1.0, 1.0], [1.0, 0.0, 0.0, 0.0]])
+    kw = dict(beta=0.1, max_len=4, num_tokens=9.0, num_seqs=5, num_micro_batches=3)
+    assert policy_loss(logp, logp - 0.1, logp + 0.2, adv, mask, agg=trl, **kw)[0].item() == \
+        policy_loss(logp, logp - 0.1, logp + 0.2, adv, mask, agg=ours, **kw)[0].item()
+
+
 def test_global_normaliser_makes_accumulation_equal_one_big_batch():
     g = torch.Generator().manual_seed(0)
     logp = torch.randn(6, 5, generator=g, requires_grad=True)

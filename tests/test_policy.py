@@ -259,3 +259,24 @@ def test_stop_tokens_merge_every_declared_eos(tiny):
     _, tok = tiny
     ids = policy.stop_token_ids(SimpleNamespace(eos_token_id=5), SimpleNamespace(eos_token_id=[7, 5]), tok)
     assert ids == sorted({5, 7, tok.eos_token_id})
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "gpt2"])
+def test_weight_decay_spares_what_the_hugging_face_trainer_spares(arch, process_group, tmp_path):
+    """The oracle is transformers' own Trainer.get_decay_parameter_names (what TRL's trainers use):
+    biases (Qwen2's q/k/v), RMSNorm weights by name, nn.LayerNorm (GPT-2's ln_1, ln_f) by type."""
+    from transformers import (AutoModelForCausalLM, GPT2Config, LlamaConfig, Qwen2Config, Trainer)
+
+    small = dict(vocab_size=64, num_hidden_layers=2, num_attention_heads=2)
+    config = {"llama": LlamaConfig(hidden_size=16, intermediate_size=32, **small),
+              "qwen2": Qwen2Config(hidden_size=16, intermediate_size=32, **small),
+              "gpt2": GPT2Config(n_embd=16, n_layer=2, n_head=2, vocab_size=64)}[arch]
+    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path)
+    model = policy.build(str(tmp_path), process_group, torch.float32)
+    name = {id(p): n for n, p in model.named_parameters()}  # a tied head appears once, as the embedding
+    want = {"lm." + n for n in Trainer.get_decay_parameter_names(None, model.lm)} & set(name.values())
+    opt = policy.optimizer(model, 1e-3, 0.1)
+    decayed = {name[id(p)] for g in opt.param_groups if g["weight_decay"] == 0.1 for p in g["params"]}
+    spared = {name[id(p)] for g in opt.param_groups if g["weight_decay"] == 0.0 for p in g["params"]}
+    assert decayed == want and spared == set(name.values()) - want
+    assert spared  # every architecture here has something to spare
