@@ -24,7 +24,9 @@ setup(
         "vllm": ["vllm==0.33.0"],  # the one version minigdpo/vllm_sampler.py is written against (it brings torch 2.14)
         "gpu": ["vllm==0.33.0", "datasets", "peft>=0.21"],  # a GPU node: vLLM rollouts, GSM8K from the hub, LoRA
         "lora": ["peft>=0.21"],  # --lora-rank (minigdpo/lora.py, written against peft 0.21.2)
-        "test": ["pytest", "hypothesis", "matplotlib", "peft>=0.21"],
+        # trl: tests/test_trl_oracle.py runs TRL's own GRPOTrainer as the oracle of one update (never imported by
+        # the package); pinned, since the test is written against that release's defaults and hooks.
+        "test": ["pytest", "hypothesis", "matplotlib", "peft>=0.21", "trl==1.16.0"],
         "plot": ["matplotlib"],
         "demo": ["gguf", "accelerate"],  # loads the offline demo model from its GGUF file
         "wandb": ["wandb"],

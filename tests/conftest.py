@@ -12,6 +12,11 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+def pytest_configure(config):
+    config.addinivalue_line("markers", "slow: multi-process simulations (torchrun, several nodes, kills) and peer "
+                                       "oracles; `pytest -m 'not slow'` leaves them out for a quick loop")
+
+
 @pytest.fixture(scope="session", autouse=True)
 def model_cache(tmp_path_factory):
     """tiny-random is built once per test session into a private cache (subprocesses inherit it)."""

@@ -22,6 +22,8 @@ from benchmarks.cluster_sim import kill_tree, torchrun
 from conftest import ROOT, free_port, read_jsonl, run
 from minigdpo import dist
 
+pytestmark = pytest.mark.slow  # every test here launches torchrun
+
 SMOKE = ["--preset", "smoke", "--rewards", "tests.helpers:digit_frac,tests.helpers:vowel_frac,format"]
 
 

@@ -108,6 +108,7 @@ def test_smoke_run_ends_with_the_final_evaluation(smoke_run):
     assert json.load(open(os.path.join(out, "final_eval", "summary.json")))["model"]["prompts"] == 3
 
 
+@pytest.mark.slow
 def test_final_evaluation_on_two_ranks_runs_once(tmp_path):
     proc = run(["train.py", "--preset", "smoke", "--max-steps", "1", "--final-eval", "2", "--output-dir", str(tmp_path)]
                + RUN_FLAGS, nproc=2)

@@ -156,6 +156,7 @@ def test_build_reads_only_shards_into_a_meta_model_with_the_same_weights(process
     assert model.lm.generation_config.eos_token_id == whole.lm.generation_config.eos_token_id
 
 
+@pytest.mark.slow
 def test_shared_prefix_gathers_each_layer_once_forward_and_once_backward(tmp_path):
     """On 2 ranks: the shared-prefix pass costs each decoder layer one all-gather each way, as full
     sequences do (two passes over the model, prompts then completions, cost two each way)."""
@@ -173,6 +174,7 @@ def test_shared_prefix_gathers_each_layer_once_forward_and_once_backward(tmp_pat
     assert result["grad_diff"] <= 1e-5 * result["grad_max"], result
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sharding,mesh", [("fsdp", [2]), ("hsdp", [2, 1])])
 def test_export_gathers_whole_tensors_on_rank_0_alone(tmp_path, sharding, mesh):
     import json

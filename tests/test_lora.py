@@ -216,6 +216,7 @@ def test_resume_reaches_the_same_adapters_and_the_state_holds_only_them(tmp_path
         torch.testing.assert_close(merged[name], t, rtol=0, atol=1e-6, msg=name)
 
 
+@pytest.mark.slow
 def test_update_on_two_ranks_equals_one_rank(tmp_path):
     one, two = str(tmp_path / "one.pt"), str(tmp_path / "two.pt")
     run(["tests/dist_update.py", one, "token_mean", "auto", "lora"], nproc=1)
@@ -231,6 +232,7 @@ def test_update_on_two_ranks_equals_one_rank(tmp_path):
         torch.testing.assert_close(t, b["params"][name], rtol=0, atol=1e-5, msg=name)
 
 
+@pytest.mark.slow
 def test_two_rank_run_trains_saves_and_merges(tmp_path):
     out = str(tmp_path / "run")
     run(SMOKE + ["--merge-on-save", "--output-dir", out], nproc=2)

@@ -52,6 +52,7 @@ def uninterrupted(tmp_path_factory):
     (2, "before_save@3", "1"),          # rank 1 dies; torchrun takes rank 0 down with it
     (2, "after_state@2", "0"),       # rank 0 dies after the sharded state, before COMPLETE
 ])
+@pytest.mark.slow
 def test_kill_then_resume_reaches_the_uninterrupted_weights(tmp_path, uninterrupted, nproc, fault, rank):
     out = str(tmp_path / "run")
     killed = run(BASE + ["--output-dir", out], nproc=nproc, env={"MINIGDPO_FAULT": fault, "MINIGDPO_FAULT_RANK": rank},
@@ -67,6 +68,7 @@ def test_kill_then_resume_reaches_the_uninterrupted_weights(tmp_path, uninterrup
     assert [r["step"] for r in read_jsonl(os.path.join(out, "metrics.jsonl"))] == [1, 2, 3, 4]
 
 
+@pytest.mark.slow
 def test_injected_full_disk_keeps_the_previous_checkpoint_and_stops_cleanly(tmp_path):
     out = str(tmp_path / "run")
     proc = run(BASE + ["--output-dir", out], env={"MINIGDPO_FAULT": "enospc@2"}, check=False)
@@ -77,6 +79,7 @@ def test_injected_full_disk_keeps_the_previous_checkpoint_and_stops_cleanly(tmp_
     weights(out, 1)  # intact and loadable
 
 
+@pytest.mark.slow
 def test_injected_full_disk_can_continue(tmp_path):
     out = str(tmp_path / "run")
     proc = run(BASE + ["--output-dir", out, "--on-save-error", "continue"], env={"MINIGDPO_FAULT": "enospc@2"})
@@ -95,6 +98,7 @@ def tiny_disk(tmp_path):
     subprocess.run(["umount", str(mnt)])
 
 
+@pytest.mark.slow
 def test_a_really_full_disk(tiny_disk):
     out = os.path.join(tiny_disk, "run")
     proc = run(BASE + ["--output-dir", out], check=False)
@@ -105,6 +109,7 @@ def test_a_really_full_disk(tiny_disk):
     weights(out, int(done[-1].split("_")[1]))  # the last complete checkpoint loads
 
 
+@pytest.mark.slow
 def test_misbehaving_rewards_do_not_stop_training(tmp_path):
     out = str(tmp_path / "run")
     rewards = ",".join(f"tests.helpers:{n}" for n in ["digit_frac", "raises", "nan_or_inf", "text", "hangs", "never_applies"])

@@ -19,7 +19,7 @@ def final_weights(out, step):
     return load_file(os.path.join(out, "checkpoints", f"step_{step:06d}", "hf", "model.safetensors"))
 
 
-@pytest.mark.parametrize("nproc", [1, 2])
+@pytest.mark.parametrize("nproc", [1, pytest.param(2, marks=pytest.mark.slow)])
 def test_smoke_run(tmp_path, nproc):
     out = str(tmp_path / "run")
     proc = run(SMOKE + ["--output-dir", out], nproc=nproc)
@@ -54,6 +54,7 @@ def test_resume_reaches_the_same_parameters(tmp_path):
     assert [r["step"] for r in read_jsonl(os.path.join(b, "metrics.jsonl"))] == [1, 2, 3, 4]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("agg", ["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"])
 def test_update_on_two_ranks_equals_one_rank(tmp_path, agg):
     one, two = str(tmp_path / "one.pt"), str(tmp_path / "two.pt")
@@ -89,6 +90,7 @@ def test_bad_config_is_one_line_before_any_model_loads(tmp_path, flags, message)
     assert message in refused(proc)
 
 
+@pytest.mark.slow
 def test_two_ranks_need_whole_groups_per_rank(tmp_path):
     proc = run(["train.py", "--preset", "smoke", "--batch-size", "4", "--output-dir", str(tmp_path)], nproc=2, check=False)
     assert proc.returncode != 0

@@ -13,7 +13,7 @@ SMOKE = ["train.py", "--preset", "smoke", "--rewards", "tests.helpers:digit_frac
          "--max-steps", "1", "--save-every", "0"]
 
 
-@pytest.mark.parametrize("estimator,nproc", [("gdpo_verl", 2), ("gdpo_nemo", 1)])
+@pytest.mark.parametrize("estimator,nproc", [pytest.param("gdpo_verl", 2, marks=pytest.mark.slow), ("gdpo_nemo", 1)])
 def test_peer_estimators_train(tmp_path, estimator, nproc):
     out = str(tmp_path / "run")
     run(SMOKE + ["--estimator", estimator, "--output-dir", out], nproc=nproc)
