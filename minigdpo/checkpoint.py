@@ -62,37 +62,37 @@ def root(output_dir):
 
 
 def check_shared(output_dir):
-    """Stop on every rank, before any weights load, unless every rank sees the same output_dir.
+    """Stop on every rank, before any weights load, unless every rank's output_dir is one directory.
 
     Checkpoints need one shared filesystem: DCP puts each rank's shards in one folder, rank 0 writes
     its metadata and the Hugging Face export, and resume must find them all. Rank 0 writes a nonce
-    that every rank then reads back.
+    file into its output_dir; every rank then looks for it in its own --output-dir (which may be
+    another string on another node: a different mount point of the same share is fine).
     """
     if dist.world_size() == 1:
         return
-    nonce = os.path.join(output_dir, f".minigdpo-shared-{os.getpid()}-{time.time_ns()}")
-    nonce = dist.broadcast_object(nonce)
+    name = dist.broadcast_object(f".minigdpo-shared-{os.getpid()}-{time.time_ns()}")
     error = ""
     if dist.is_main():
         try:
             os.makedirs(output_dir, exist_ok=True)
-            with open(nonce, "w") as f:
-                f.write(nonce)
+            with open(os.path.join(output_dir, name), "w") as f:
+                f.write(name)
         except OSError as e:
             error = f"{type(e).__name__}: {e}"
     error = dist.broadcast_object(error)
     seen = False
     for _ in range(10 if not error else 0):  # a network filesystem may show a new file a moment late
         try:
-            with open(nonce) as f:
-                seen = f.read() == nonce
+            with open(os.path.join(output_dir, name)) as f:
+                seen = f.read() == name
             break
         except OSError:
             time.sleep(0.5)
     views = dist.all_gather_object((seen, socket.gethostname()))
     if dist.is_main():
         with contextlib.suppress(OSError):
-            os.remove(nonce)
+            os.remove(os.path.join(output_dir, name))
     if error:
         raise ConfigError(f"--output-dir {output_dir}: rank 0 cannot write there ({error})")
     blind = [f"rank {r} on {host}" for r, (ok, host) in enumerate(views) if not ok]

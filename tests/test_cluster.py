@@ -148,6 +148,21 @@ def test_two_nodes_without_a_shared_output_dir_stop_before_any_weights_load(tmp_
         assert not os.path.exists(os.path.join(c, "run", "metrics.jsonl"))
 
 
+def test_two_nodes_given_different_output_dirs_stop_before_any_weights_load(tmp_path):
+    """Each rank checks its own --output-dir, not rank 0's path: two directories on one machine are
+    two directories, even when both nodes can read rank 0's."""
+    dirs = [str(tmp_path / "a"), str(tmp_path / "b")]
+    args = [os.path.join(ROOT, "train.py")] + SMOKE + ["--max-steps", "1"]
+    commands = [(cmd + ["--output-dir", d], str(tmp_path)) for (cmd, _), d in zip(two_nodes(args, [None, None]), dirs)]
+    results, _ = launch(commands, timeout=120)
+    for rc, _, stderr in results:
+        assert rc != 0 and no_project_traceback(stderr), stderr[-3000:]
+    errors = [line for _, _, e in results for line in e.splitlines() if line.startswith("error:")]
+    assert errors and "is not the same directory on every node" in errors[0] and "rank 1" in errors[0], errors
+    for d in dirs:
+        assert not os.path.exists(os.path.join(d, "checkpoints"))
+
+
 def test_two_nodes_sharing_an_output_dir_train_save_kill_and_resume(tmp_path):
     shared, clean = str(tmp_path / "shared"), str(tmp_path / "clean")
     args = [os.path.join(ROOT, "train.py")] + STEPS4[1:]
