@@ -42,6 +42,10 @@ class CheckpointError(RuntimeError):
     """A checkpoint could not be written; the message names the rank and the path."""
 
 
+class NotWhole(OSError):
+    """Files that other ranks wrote are missing from rank 0's view of a checkpoint."""
+
+
 def inject_fault(point, step):
     """Fault-injection hook for the reliability tests; does nothing unless MINIGDPO_FAULT is set.
 
@@ -128,14 +132,47 @@ def remove_partial(output_dir):
     return removed
 
 
+def missing_files(path, world_size):
+    """The files checkpoint `path` needs and lacks (or holds too short), relative to it: every file DCP's
+    metadata lists under state/, and each saving rank's RNG state."""
+    try:
+        need = {os.path.join("state", name): size for name, size in dist.sharded_files(os.path.join(path, "state")).items()}
+    except OSError:
+        return [os.path.join("state", ".metadata")]
+    need |= {os.path.join("rng", f"rank{r}.pt"): 1 for r in range(world_size)}
+    lacking = []
+    for name, size in need.items():
+        try:
+            if os.path.getsize(os.path.join(path, name)) < size:
+                lacking.append(name)
+        except OSError:
+            lacking.append(name)
+    return sorted(lacking)
+
+
 def resume_point(output_dir):
     """(checkpoint to resume from or None, removed partial paths): decided once, on rank 0, and
-    broadcast, so that every rank loads the same step."""
-    decision = (None, [])
+    broadcast, so that every rank loads the same step. ConfigError on every rank when the latest
+    complete checkpoint is not whole (a file some rank wrote is missing)."""
+    decision = (None, [], [])
     if dist.is_main():
         removed = remove_partial(output_dir)
-        decision = (latest(output_dir), removed)
-    return dist.broadcast_object(decision)
+        last = latest(output_dir)
+        lacking = missing_files(last, _saved_world_size(last)) if last else []
+        decision = (last, removed, lacking)
+    last, removed, lacking = dist.broadcast_object(decision)
+    if lacking:
+        raise ConfigError(f"--resume: {last} is not whole: {', '.join(lacking[:3])}{' ...' if len(lacking) > 3 else ''} "
+                          "missing (was --output-dir one directory every node shares?)")
+    return last, removed
+
+
+def _saved_world_size(path):
+    try:
+        with open(os.path.join(path, "trainer.json")) as f:
+            return int(json.load(f)["derived"]["world_size"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return 1
 
 
 def _write_hf(model, tokenizer, path, dtype, step):
@@ -212,7 +249,7 @@ def _rng_state():
 
 def _explain(error, path):
     """One line for a failed write, saying so when the disk is full (some writers hide ENOSPC)."""
-    kind = "" if isinstance(error, dist.SaveError) else f"{type(error).__name__}: "  # a SaveError names its cause
+    kind = "" if isinstance(error, (dist.SaveError, NotWhole)) else f"{type(error).__name__}: "  # those say what failed
     text = f"{kind}{str(error).splitlines()[0] if str(error) else ''}"
     try:
         full = shutil.disk_usage(os.path.dirname(path)).free < 1024 * 1024
@@ -272,6 +309,9 @@ def save(output_dir, step, model, optimizer, sched, tokenizer, trainer_state, sa
 
     def finish():
         if dist.is_main():
+            lacking = missing_files(tmp, dist.world_size())  # every rank's files, seen from rank 0
+            if lacking:
+                raise NotWhole(f"{', '.join(lacking)} missing (do the ranks share one --output-dir?)")
             with open(os.path.join(tmp, "trainer.json"), "w") as f:
                 json.dump({**trainer_state, "step": step, "scheduler": sched.state_dict()}, f, indent=2, default=str)
             with open(os.path.join(tmp, "COMPLETE"), "w") as f:

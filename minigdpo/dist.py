@@ -291,6 +291,15 @@ def save_sharded(model, optimizer, path, before_write=None):
         raise error from None
 
 
+def sharded_files(path):
+    """{file name: bytes it holds at least} for every file the DCP checkpoint at `path` needs: its .metadata
+    and each shard file the metadata lists (OSError when the metadata cannot be read)."""
+    need = {".metadata": 1}
+    for info in dcp.FileSystemReader(path).read_metadata().storage_data.values():
+        need[info.relative_path] = max(need.get(info.relative_path, 0), info.offset + info.length)
+    return need
+
+
 def load_sharded(model, optimizer, path):
     """Inverse of save_sharded; works for a different world size too (DCP reshards).
 

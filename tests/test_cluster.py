@@ -20,7 +20,7 @@ from safetensors.torch import load_file
 
 from benchmarks.cluster_sim import kill_tree, torchrun
 from conftest import ROOT, free_port, read_jsonl, run
-from minigdpo import dist
+from minigdpo import checkpoint, dist
 
 pytestmark = pytest.mark.slow  # every test here launches torchrun
 
@@ -161,6 +161,18 @@ def test_two_nodes_given_different_output_dirs_stop_before_any_weights_load(tmp_
     assert errors and "is not the same directory on every node" in errors[0] and "rank 1" in errors[0], errors
     for d in dirs:
         assert not os.path.exists(os.path.join(d, "checkpoints"))
+
+
+def test_a_checkpoint_missing_another_ranks_shards_is_never_marked_complete(tmp_path):
+    """Rank 0 marks a checkpoint complete only once it sees every file DCP's metadata lists."""
+    (result,), _ = launch([(torchrun(1, 0, 2, free_port(), ["tests/split_save.py", str(tmp_path)]), ROOT)], timeout=120)
+    rc, out, err = result
+    assert rc == 0, err[-3000:]
+    lines = sorted(out.splitlines())
+    assert len(lines) == 2 and all("error: could not write checkpoint" in line for line in lines), out
+    assert "rank 0: rng/rank1.pt, state/__1_0.distcp missing" in lines[0], lines[0]
+    assert checkpoint.latest(str(tmp_path / "rank0")) is None
+    assert not os.path.exists(tmp_path / "rank0" / "checkpoints" / "step_000001")
 
 
 def test_two_nodes_sharing_an_output_dir_train_save_kill_and_resume(tmp_path):

@@ -13,7 +13,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import read_jsonl, run
+from conftest import read_jsonl, refused, run
 from minigdpo import config
 from minigdpo.advantages import ESTIMATORS
 from minigdpo.loss import policy_loss
@@ -66,6 +66,15 @@ def test_kill_then_resume_reaches_the_uninterrupted_weights(tmp_path, uninterrup
     assert not any(n.endswith(".partial") for n in os.listdir(os.path.join(out, "checkpoints")))
     assert_same_weights(out, uninterrupted[nproc])
     assert [r["step"] for r in read_jsonl(os.path.join(out, "metrics.jsonl"))] == [1, 2, 3, 4]
+
+
+@pytest.mark.slow
+def test_resuming_from_a_checkpoint_that_lost_a_shard_is_refused_in_one_line(tmp_path):
+    out = str(tmp_path / "run")
+    run(BASE + ["--output-dir", out, "--max-steps", "2"])
+    os.remove(os.path.join(out, "checkpoints", "step_000002", "state", "__0_0.distcp"))
+    err = refused(run(BASE + ["--output-dir", out, "--resume"], check=False))
+    assert "step_000002 is not whole: state/__0_0.distcp missing" in err, err
 
 
 @pytest.mark.slow
