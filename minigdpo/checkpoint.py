@@ -28,6 +28,7 @@ import time
 
 import numpy as np
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import save_file
 
 from minigdpo import dist, lora
@@ -180,7 +181,8 @@ def _write_hf(model, tokenizer, path, dtype, step):
 
     Every rank iterates hf_state to its end, since each step is a collective (a gather to rank 0: no
     other rank holds a whole tensor). A write that fails on rank 0 stops its writing, not its
-    iterating, so the ranks stay in step; returns the error or "".
+    iterating, so the ranks stay in step; returns the error or "". safetensors reports a failed write
+    (a full disk among them) as a SafetensorError, not an OSError.
     """
     main, error, files, current, size = dist.is_main(), "", [], {}, 0
 
@@ -206,14 +208,14 @@ def _write_hf(model, tokenizer, path, dtype, step):
                 current, size = {}, 0
             current[name] = t
             size += t.numel() * t.element_size()
-        except OSError as e:
+        except (OSError, SafetensorError) as e:
             error = _explain(e, path)
     if not main or error:
         return error
     try:
         flush()
         _finish_hf(model, tokenizer, path, dtype, files)
-    except OSError as e:
+    except (OSError, SafetensorError) as e:
         error = _explain(e, path)
     return error
 

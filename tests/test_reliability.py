@@ -118,6 +118,30 @@ def test_a_really_full_disk(tiny_disk):
     weights(out, int(done[-1].split("_")[1]))  # the last complete checkpoint loads
 
 
+def fill(disk, leave):
+    """Take all but `leave` bytes of a tmpfs with a ballast file."""
+    free = os.statvfs(disk).f_bavail * os.statvfs(disk).f_frsize
+    with open(os.path.join(disk, "ballast"), "wb") as f:
+        f.write(b"\0" * (free - leave))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("on_error", ["stop", "continue"])
+def test_a_disk_that_fills_during_the_hugging_face_export(tiny_disk, on_error):
+    """safetensors reports a full disk as its own SafetensorError, not as an OSError: still one line, and
+    --on-save-error is honoured."""
+    fill(tiny_disk, 64 * 1024)  # the export's one safetensors file takes about 130 kB
+    out = os.path.join(tiny_disk, "run")
+    proc = run(BASE + ["--output-dir", out, "--max-steps", "2", "--on-save-error", on_error], check=False)
+    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert "could not write checkpoint" in proc.stderr and "step_000001.partial" in proc.stderr, proc.stderr[-3000:]
+    assert "No space left on device" in proc.stderr
+    assert proc.returncode == (1 if on_error == "stop" else 0), proc.stderr[-3000:]
+    steps = [r["step"] for r in read_jsonl(os.path.join(out, "metrics.jsonl"))]
+    assert steps == ([1] if on_error == "stop" else [1, 2])
+    assert os.listdir(os.path.join(out, "checkpoints")) == []
+
+
 @pytest.mark.slow
 def test_misbehaving_rewards_do_not_stop_training(tmp_path):
     out = str(tmp_path / "run")
