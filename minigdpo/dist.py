@@ -22,6 +22,7 @@ from torch.distributed.tensor import DTensor
 
 _device = None   # the training device, set by init(): every collective's tensors go there
 _mesh = None     # the FSDP2 device mesh, built once by init()
+TIMEOUT = datetime.timedelta(minutes=30)  # for every process group: a collective waits this long for a late rank
 
 
 def init(sharding="auto"):
@@ -40,15 +41,25 @@ def init(sharding="auto"):
         device = torch.device("cpu")
         backend = "gloo"
     if not tdist.is_initialized():
-        kwargs = dict(timeout=datetime.timedelta(minutes=30), device_id=device if backend == "nccl" else None)
+        kwargs = dict(timeout=TIMEOUT, device_id=device if backend == "nccl" else None)
         if "RANK" not in os.environ:  # a plain `python train.py`: a group of one, in memory, no port
             kwargs.update(store=tdist.HashStore(), rank=0, world_size=1)
         tdist.init_process_group(backend, **kwargs)
     _device = device
     shape = mesh_shape(sharding, world_size(), int(os.environ.get("LOCAL_WORLD_SIZE", world_size())))
     names = ("replicate", "shard") if len(shape) == 2 else ("shard",)
-    _mesh = init_device_mesh(device.type, shape, mesh_dim_names=names)
+    # A flat mesh reuses the world group. HSDP's groups are new ones, and a group created without a timeout
+    # gets its backend's default (NCCL: 10 minutes, distributed_c10d._get_default_timeout), not the world's.
+    _mesh = init_device_mesh(device.type, shape, mesh_dim_names=names,
+                             backend_override={name: _options(device) for name in names} if len(shape) == 2 else None)
     return device
+
+
+def _options(device):
+    """Process-group options for a new group on `device`'s backend (NCCL or gloo), with TIMEOUT."""
+    options = type(tdist.group.WORLD._get_backend(device).options)()
+    options._timeout = TIMEOUT
+    return options
 
 
 def mesh_shape(sharding, world, local_world):

@@ -163,6 +163,14 @@ def test_two_nodes_given_different_output_dirs_stop_before_any_weights_load(tmp_
         assert not os.path.exists(os.path.join(d, "checkpoints"))
 
 
+def test_hsdp_mesh_groups_keep_the_world_timeout():
+    """A mesh dimension's group gets the 30 minutes dist.init gives the world, not the backend's
+    default (NCCL's is 10 minutes; tests/mesh_timeouts.py makes it so for gloo too)."""
+    results, _ = launch(two_nodes(["tests/mesh_timeouts.py"], [ROOT, ROOT], nproc=2), timeout=120)
+    assert all(rc == 0 for rc, _, _ in results), [e[-2000:] for _, _, e in results]
+    assert results[0][1].split() == ["world=30", "replicate=30", "shard=30"], results[0][1]
+
+
 def test_a_checkpoint_missing_another_ranks_shards_is_never_marked_complete(tmp_path):
     """Rank 0 marks a checkpoint complete only once it sees every file DCP's metadata lists."""
     (result,), _ = launch([(torchrun(1, 0, 2, free_port(), ["tests/split_save.py", str(tmp_path)]), ROOT)], timeout=120)
