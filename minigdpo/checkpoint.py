@@ -244,9 +244,19 @@ def _finish_hf(model, tokenizer, path, dtype, files):
     tokenizer.save_pretrained(path)
 
 
-def _rng_state():
+def rng_state():
+    """This rank's RNG states. Its own GPU's only: a resume on a machine with fewer GPUs per node must
+    find a state it can restore (get_rng_state_all would save one per GPU of the saving node)."""
     return {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(),
-            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}
+            "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None}
+
+
+def set_rng_state(rng):
+    random.setstate(rng["python"])
+    np.random.set_state(rng["numpy"])
+    torch.set_rng_state(rng["torch"])
+    if rng["cuda"] is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state(rng["cuda"])  # the current device's
 
 
 def _explain(error, path):
@@ -307,7 +317,7 @@ def save(output_dir, step, model, optimizer, sched, tokenizer, trainer_state, sa
         dist.save_sharded(model, optimizer, os.path.join(tmp, "state"),
                           before_write=lambda: inject_fault("enospc_state", step))
         inject_fault("after_state", step)
-        torch.save(_rng_state(), os.path.join(tmp, "rng", f"rank{dist.rank()}.pt"))
+        torch.save(rng_state(), os.path.join(tmp, "rng", f"rank{dist.rank()}.pt"))
 
     def finish():
         if dist.is_main():
@@ -366,10 +376,5 @@ def load(path, model, optimizer, sched):
     sched.load_state_dict(state["scheduler"])
     rng_file = os.path.join(path, "rng", f"rank{dist.rank()}.pt")
     if os.path.exists(rng_file):  # absent when resuming with more ranks than saved
-        rng = torch.load(rng_file, weights_only=False)
-        random.setstate(rng["python"])
-        np.random.set_state(rng["numpy"])
-        torch.set_rng_state(rng["torch"])
-        if rng["cuda"] is not None and torch.cuda.is_available():
-            torch.cuda.set_rng_state_all(rng["cuda"])
+        set_rng_state(torch.load(rng_file, weights_only=False))
     return state

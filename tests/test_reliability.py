@@ -260,3 +260,39 @@ def test_bad_booleans_and_context_are_one_line_before_any_model_loads(tmp_path):
         proc = run(["train.py", "--preset", "smoke", "--output-dir", str(tmp_path / "o")] + flags, check=False)
         assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
         assert message in proc.stderr
+
+
+def test_resume_on_a_node_with_fewer_gpus_restores_the_rng(process_group, tmp_path, monkeypatch):
+    """A checkpoint saved where the node had 8 GPUs resumes where it has 1. Each rank keeps its own GPU's
+    RNG state only: torch.cuda.set_rng_state_all(8 states) would address GPUs 1-7, which do not exist.
+    The CUDA RNG calls are stood in for on this CPU machine; torch's own set_rng_state_all calls the
+    stand-in set_rng_state(state, i) for each i, as it does on GPUs. CUDA shows as available to
+    minigdpo/checkpoint.py's own calls only (DCP's writer would look for a GPU otherwise)."""
+    import sys
+
+    from minigdpo import checkpoint, policy
+
+    path = policy.resolve_model("tiny-random")
+    model = policy.build(path, process_group, torch.float32)
+    opt = policy.optimizer(model, 1e-3, 0.0)
+    sched = policy.scheduler(opt, 10, 0.0, "constant")
+    gpu_state = torch.arange(16, dtype=torch.uint8)
+    restored = []
+
+    def set_rng_state(state, device="cuda"):
+        index = device if isinstance(device, int) else torch.device(device).index or 0
+        if index >= torch.cuda.device_count():
+            raise RuntimeError("CUDA error: invalid device ordinal")
+        restored.append(state)
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: sys._getframe(1).f_globals["__name__"] == checkpoint.__name__)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)           # the saving node
+    monkeypatch.setattr(torch.cuda, "get_rng_state", lambda device="cuda": gpu_state.clone())
+    monkeypatch.setattr(torch.cuda, "get_rng_state_all", lambda: [gpu_state.clone() for _ in range(8)])
+    monkeypatch.setattr(torch.cuda, "set_rng_state", set_rng_state)
+    monkeypatch.setattr(torch.cuda.random, "set_rng_state", set_rng_state)  # what set_rng_state_all calls
+    where = checkpoint.save(str(tmp_path), 1, model, opt, sched, policy.load_tokenizer(path),
+                            {"cursor": 0, "derived": {"world_size": 1}}, torch.float32, keep=2)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)           # the resuming node
+    checkpoint.load(where, model, opt, sched)
+    assert len(restored) == 1 and torch.equal(restored[0], gpu_state)
