@@ -124,7 +124,9 @@ def update(model, opt, sched, batches, cfg, num_tokens, num_seqs):
     totals, gap = {}, torch.zeros(2, device=batches[0]["mask"].device)
     for it in range(cfg.num_iterations):
         opt.zero_grad(set_to_none=True)
-        for mb in batches:
+        for i, mb in enumerate(batches):
+            last = i == len(batches) - 1  # gradients cross ranks once per optimizer step (cfg.reduce_grads)
+            dist.reduce_gradients(model, reduce_scatter=last or cfg.reduce_grads == "micro_batch", all_reduce=last)
             logp, entropy = logprobs(model, mb, cfg, entropy=True)
             old = mb.get("old_logp", logp.detach())  # num_iterations == 1: the policy that sampled is this one
             is_weight = None

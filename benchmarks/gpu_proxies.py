@@ -26,7 +26,6 @@ import os
 import re
 import sys
 import tempfile
-from types import SimpleNamespace
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -35,6 +34,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 import train  # noqa: E402
 from minigdpo import checkpoint, dist, policy  # noqa: E402
+from minigdpo.config import Config  # noqa: E402
 from minigdpo.sampler import Completion, HFSampler, SamplingParams, sync_every  # noqa: E402
 
 MB = 1024**2
@@ -174,9 +174,9 @@ def batch(args, device):
 
 
 def step_cfg(args):
-    return SimpleNamespace(num_iterations=1, temperature=1.0, logprob_chunk=args.chunk, tis_cap=0.0, clip_low=0.2,
-                           clip_high=0.2, beta=0.04, loss_agg="token_mean", max_new_tokens=args.completion_len,
-                           max_grad_norm=1.0, grad_checkpointing=False)
+    return Config(num_iterations=1, temperature=1.0, logprob_chunk=args.chunk, tis_cap=0.0, clip_low=0.2,
+                  clip_high=0.2, beta=0.04, loss_agg="token_mean", max_new_tokens=args.completion_len,
+                  max_grad_norm=1.0, grad_checkpointing=False)
 
 
 def prefix_gradients_match(path, device, mb, args):

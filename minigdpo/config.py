@@ -126,6 +126,11 @@ class Config:
     per-layer all-gathers never cross the network; auto is hsdp when the run spans more than one node."""
     logprob_chunk: int = 1024
     """Tokens per chunk of the log-softmax, so [B, T, V] float32 logits never exist at once."""
+    reduce_grads: str = "step"
+    """When FSDP2 reduces gradients over ranks. step: once per optimizer step, after the last micro-batch
+    (until then each rank holds its micro-batches' summed gradients whole, in fp32: 4 bytes per trainable
+    parameter). micro_batch: a reduce-scatter after every micro-batch, so gradients stay sharded (for models
+    whose whole gradient does not fit); with HSDP the all-reduce across nodes still runs once per step."""
 
     # LoRA (needs peft: pip install 'minigdpo[lora]')
     lora_rank: int = 0
@@ -194,6 +199,7 @@ CHOICES = {
     "answer_format": ("answer", "boxed"),
     "on_save_error": ("stop", "continue"),
     "sharding": ("auto", "fsdp", "hsdp"),
+    "reduce_grads": ("step", "micro_batch"),
     "preset": tuple(PRESETS),
 }
 

@@ -174,6 +174,14 @@ def shard(model, layers, param_dtype=None, offload=False, reshard_after_forward=
     return model
 
 
+def reduce_gradients(model, reduce_scatter, all_reduce):
+    """Whether the next backward reduces gradients over ranks: the reduce-scatter (over the shard dimension)
+    and, with HSDP, the all-reduce across nodes. Gradients of backwards that skip a reduction accumulate
+    (FSDP2's set_requires_gradient_sync / set_requires_all_reduce) until one reduces them all."""
+    model.set_requires_gradient_sync(reduce_scatter)
+    model.set_requires_all_reduce(reduce_scatter and all_reduce)
+
+
 def materialize(model, device, read, block_bytes=8 * 1024**2):
     """Allocate a model that was built on the meta device and sharded by shard(), filling each of
     this rank's shards with read(name, start, stop): rows start:stop (dim 0) of parameter `name`.

@@ -9,14 +9,13 @@ itself with the adapters off; the saved parameters are then the merged ones. The
 
 import os
 import sys
-from types import SimpleNamespace
-
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import train  # noqa: E402
 from minigdpo import dist, lora, policy  # noqa: E402
+from minigdpo.config import Config  # noqa: E402
 from minigdpo.sampler import Completion  # noqa: E402
 
 
@@ -41,8 +40,8 @@ def main(out, agg, sharding, adapters=None):
     world, rank = dist.world_size(), dist.rank()
     per = S // world
     mine = slice(rank * per, (rank + 1) * per)
-    cfg = SimpleNamespace(num_iterations=2, temperature=1.0, logprob_chunk=3, tis_cap=0.0, clip_low=0.2, clip_high=0.2,
-                          beta=0.1, loss_agg=agg, max_new_tokens=6, max_grad_norm=1.0, grad_checkpointing=False)
+    cfg = Config(num_iterations=2, temperature=1.0, logprob_chunk=3, tis_cap=0.0, clip_low=0.2, clip_high=0.2,
+                 beta=0.1, loss_agg=agg, max_new_tokens=6, max_grad_norm=1.0, grad_checkpointing=False)
     batches = train.micro_batches(prompts[mine], comps[mine], adv[mine], 3 if world == 1 else 2, 257, device, G)
     if ref is not None:
         train.fill_logprobs(ref, batches, "ref_logp", cfg)

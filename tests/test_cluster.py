@@ -163,6 +163,26 @@ def test_two_nodes_given_different_output_dirs_stop_before_any_weights_load(tmp_
         assert not os.path.exists(os.path.join(d, "checkpoints"))
 
 
+@pytest.mark.parametrize("sharding", ["fsdp", "hsdp"])
+def test_gradients_cross_ranks_once_per_optimizer_step(tmp_path, sharding):
+    """4 micro-batches, one reduction: --reduce-grads step (the default) reduce-scatters each FSDP2 module's
+    gradients once, and HSDP all-reduces them across nodes once, in either mode; micro_batch reduce-scatters
+    after every micro-batch. Both give the same update."""
+    import json
+
+    out = tmp_path / "counts.json"
+    (result,), _ = launch([(torchrun(1, 0, 2, free_port(), ["tests/grad_reductions.py", str(out), sharding]), ROOT)])
+    assert result[0] == 0, result[2][-3000:]
+    counts = json.loads(out.read_text())
+    assert counts["step"]["micro_batches"] == 4
+    if sharding == "fsdp":
+        assert counts["step"] == {"reduce_scatter": 1, "all_reduce": 0, "micro_batches": 4}
+        assert counts["micro_batch"]["reduce_scatter"] == 4
+    else:  # 2 nodes of 1 rank: nothing to scatter within a node
+        assert counts["step"]["all_reduce"] == counts["micro_batch"]["all_reduce"] == 1
+    assert counts["param_diff"] < 1e-5
+
+
 def test_hsdp_mesh_groups_keep_the_world_timeout():
     """A mesh dimension's group gets the 30 minutes dist.init gives the world, not the backend's
     default (NCCL's is 10 minutes; tests/mesh_timeouts.py makes it so for gloo too)."""

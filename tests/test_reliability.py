@@ -186,8 +186,6 @@ def test_degenerate_batches_give_finite_zero_advantages_and_finite_loss(case):
 
 
 def test_a_nan_gradient_skips_the_step_and_keeps_the_weights(process_group):
-    from types import SimpleNamespace
-
     from minigdpo import policy
     from train import update
 
@@ -198,8 +196,8 @@ def test_a_nan_gradient_skips_the_step_and_keeps_the_weights(process_group):
     (mb,) = batch_of([Completion([5, 6], [-1.0, -1.0])] * 2)
     mb["adv"] = torch.tensor([float("nan"), 1.0])
     before = {k: v.clone() for k, v in policy.hf_state(model)}
-    cfg = SimpleNamespace(num_iterations=1, temperature=1.0, logprob_chunk=64, tis_cap=0.0, clip_low=0.2, clip_high=0.2,
-                          beta=0.0, loss_agg="token_mean", max_new_tokens=4, max_grad_norm=1.0, grad_checkpointing=False)
+    cfg = config.Config(num_iterations=1, temperature=1.0, logprob_chunk=64, tis_cap=0.0, clip_low=0.2, clip_high=0.2,
+                        beta=0.0, loss_agg="token_mean", max_new_tokens=4, max_grad_norm=1.0, grad_checkpointing=False)
     totals = update(model, opt, sched, [mb], cfg, 4.0, 2)
     assert totals["skipped_steps"] == 1
     for k, v in policy.hf_state(model):

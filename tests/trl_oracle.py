@@ -169,6 +169,7 @@ def mini_step(work, loss_type, ga, model, ref):
     import train
     from minigdpo import dist
     from minigdpo.advantages import gdpo
+    from minigdpo.config import Config
     from minigdpo.sampler import Completion
 
     fx = load(work)
@@ -180,9 +181,8 @@ def mini_step(work, loss_type, ga, model, ref):
     comps = [Completion(c, [0.0] * len(c)) for c in fx["completions"]]
     batches = [train.micro_batches([prompts[i] for i in rows], [comps[i] for i in rows], adv[rows], len(rows),
                                    fx["pad_id"], device, 1)[0] for rows in micro]
-    cfg = SimpleNamespace(num_iterations=1, temperature=1.0, logprob_chunk=1024, tis_cap=0.0, clip_low=0.2,
-                          clip_high=0.2, beta=BETA, loss_agg=AGG[loss_type], max_new_tokens=MAX_LEN, max_grad_norm=0.0,
-                          grad_checkpointing=False)
+    cfg = Config(num_iterations=1, temperature=1.0, logprob_chunk=1024, tis_cap=0.0, clip_low=0.2, clip_high=0.2,
+                 beta=BETA, loss_agg=AGG[loss_type], max_new_tokens=MAX_LEN, max_grad_norm=0.0, grad_checkpointing=False)
     train.fill_logprobs(ref, batches, "ref_logp", cfg, reshard=True)
     tokens = sum(mb["mask"].sum() for mb in batches).item()
     opt = GradCapture(model)

@@ -1,0 +1,82 @@
+"""Gradient reductions per optimizer step, counted on 2 ranks, for each --reduce-grads mode.
+
+    torchrun --nproc_per_node 2 tests/grad_reductions.py OUT.json SHARDING
+
+One update of 4 micro-batches on tiny-random. SHARDING fsdp shards over both ranks; hsdp runs them as
+2 nodes of 1 (LOCAL_WORLD_SIZE=1: a replica each, so the only reduction is the all-reduce across
+nodes). Counted by wrapping the torch.distributed functions FSDP2 calls for them (torch 2.13,
+fsdp/_fully_shard/_fsdp_collectives.py foreach_reduce: reduce_scatter_single, all_reduce). Rank 0
+writes, per mode: the reduce-scatters and all-reduces per FSDP2 module, and the updated parameters'
+largest difference from the micro_batch mode's.
+"""
+
+import json
+import os
+import sys
+
+import torch
+import torch.distributed as tdist
+from torch.distributed.fsdp import FSDPModule
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import train  # noqa: E402
+from minigdpo import dist, policy  # noqa: E402
+from minigdpo.config import Config  # noqa: E402
+from minigdpo.sampler import Completion  # noqa: E402
+
+
+class Reductions:
+    """Counts the reduce-scatters and all-reduces issued while it is entered."""
+
+    def __init__(self):
+        self.counts = {"reduce_scatter": 0, "all_reduce": 0}
+
+    def __enter__(self):
+        self.orig = tdist.reduce_scatter_single, tdist.all_reduce
+
+        def wrap(name, fn):
+            def counted(*args, **kwargs):
+                self.counts[name] += 1
+                return fn(*args, **kwargs)
+            return counted
+
+        tdist.reduce_scatter_single = wrap("reduce_scatter", self.orig[0])
+        tdist.all_reduce = wrap("all_reduce", self.orig[1])
+        return self
+
+    def __exit__(self, *exc):
+        tdist.reduce_scatter_single, tdist.all_reduce = self.orig
+
+
+def main(out, sharding):
+    path = policy.resolve_model("tiny-random")  # before the group: transformers saves on rank 0 only with one
+    if sharding == "hsdp":
+        os.environ["LOCAL_WORLD_SIZE"] = "1"
+    device = dist.init(sharding)
+    g = torch.Generator().manual_seed(dist.rank())
+    prompts = [[5, 6, 7, 8]] * 8
+    comps = [Completion(torch.randint(3, 250, (5,), generator=g).tolist(), [0.0] * 5) for _ in range(8)]
+    adv = torch.randn(8, generator=g)
+    result, params = {}, {}
+    for mode in ("micro_batch", "step"):
+        torch.manual_seed(0)
+        model = policy.build(path, device, torch.float32)
+        opt = policy.optimizer(model, 1e-3, 0.0)
+        sched = policy.scheduler(opt, 10, 0.0, "constant")
+        cfg = Config(beta=0.0, max_new_tokens=5, reduce_grads=mode, logprob_chunk=64)
+        batches = train.micro_batches(prompts, comps, adv, 2, 257, device, 4)  # 4 micro-batches
+        modules = sum(isinstance(m, FSDPModule) for m in model.modules())  # the decoder layers and the root
+        with Reductions() as counted:
+            train.update(model, opt, sched, batches, cfg, 40.0, 8)
+        result[mode] = {k: v / modules for k, v in counted.counts.items()} | {"micro_batches": len(batches)}
+        params[mode] = {n: t.clone() for n, t in policy.hf_state(model)}
+    result["param_diff"] = max((params["step"][n] - params["micro_batch"][n]).abs().max().item() for n in params["step"])
+    if dist.is_main():
+        with open(out, "w") as f:
+            json.dump(result, f)
+    dist.cleanup(together=True)
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:])
