@@ -205,7 +205,7 @@ def run_training(argv=None):
     extra = {"length_limit": cfg.length_limit, "length_unit": cfg.length_unit, "answer_format": cfg.answer_format}
     task = data.load_task(cfg.task, cfg.data, "train", cfg.skip_bad_rows, cfg.arith_difficulty, extra)
     reward_names, conditions, weights, scorer = rewards_setup(cfg, task)
-    resolve_kind(cfg.sampler)  # a missing vLLM or GPU is reported before any model loads
+    config.check_sampler(cfg, resolve_kind(cfg.sampler))  # a missing vLLM or GPU, or settings vLLM cannot honour
     # Built-in models are built before the process group exists: with one, transformers saves on rank 0 only.
     path = policy.resolve_model(cfg.model)
     policy.check_context(path, cfg.max_prompt_len + cfg.max_new_tokens)  # still before any weights load

@@ -293,8 +293,6 @@ def validate(cfg):
     _check(0 <= cfg.clip_high, f"--clip-high must be >= 0, got {cfg.clip_high}")
     _check(math.isfinite(cfg.temperature) and cfg.temperature > 0, f"--temperature must be > 0, got {cfg.temperature}")
     _check(0 < cfg.top_p <= 1, f"--top-p must be in (0, 1], got {cfg.top_p}")
-    # vLLM's processed log-probs are renormalised over the nucleus; the trainer's cover the whole vocabulary.
-    _check(cfg.top_p == 1 or cfg.sampler == "hf", f"--top-p {cfg.top_p} needs --sampler hf (vLLM's log-probs are renormalised after top-p)")
     _check(math.isfinite(cfg.epochs) and cfg.epochs > 0, f"--epochs must be > 0, got {cfg.epochs}")
     _check(0 < cfg.vllm_gpu_memory_utilization < 1,
            f"--vllm-gpu-memory-utilization must be in (0, 1), got {cfg.vllm_gpu_memory_utilization}")
@@ -313,6 +311,18 @@ def validate(cfg):
     if cfg.reward_weights:
         _check(all(math.isfinite(w) for w in cfg.reward_weights), f"--reward-weights must be finite, got {cfg.reward_weights}")
     return cfg
+
+
+def check_sampler(cfg, kind):
+    """The sampling settings vLLM cannot honour exactly, once --sampler is resolved to `kind` (hf or vllm)."""
+    if kind != "vllm":
+        return
+    # vLLM's processed log-probs are renormalised over the nucleus; the trainer's cover the whole vocabulary.
+    _check(cfg.top_p == 1, f"--top-p {cfg.top_p} needs --sampler hf (vLLM's log-probs are renormalised after top-p)")
+    # vLLM raises a temperature below 0.01 to 0.01 and refuses one above 2 (vllm/sampling_params.py:560-568,
+    # 662-673): the trainer would divide its logits by another temperature than the sampler's.
+    _check(0.01 <= cfg.temperature <= 2, f"--temperature {cfg.temperature} needs --sampler hf: vLLM samples "
+                                         "only in [0.01, 2] (it raises lower temperatures to 0.01)")
 
 
 def validate_lora(cfg):

@@ -37,6 +37,30 @@ class Completion:
     text: str = field(default="", repr=False)
 
 
+class WeightSyncError(RuntimeError):
+    """A weight sync that would leave some of the sampler's weights stale; the message names them."""
+
+
+def weight_names(lm):
+    """The Hugging Face names a weight sync sends for model `lm`: its state dict, each tied weight once
+    (under its first name, e.g. the input embedding for a tied head)."""
+    seen, names = set(), []
+    for name, t in lm.state_dict(keep_vars=True).items():
+        if id(t) not in seen:
+            seen.add(id(t))
+            names.append(name)
+    return names
+
+
+def check_sync(expected, sent):
+    """WeightSyncError naming every expected weight the trainer did not send (it would stay stale)."""
+    missing = [n for n in expected if n not in set(sent)]
+    if missing:
+        raise WeightSyncError(f"weight sync sent no tensor for {', '.join(missing[:5])}"
+                              f"{f' and {len(missing) - 5} more' if len(missing) > 5 else ''}: "
+                              "the sampler would keep stale weights there")
+
+
 def left_pad(prompts, pad_id, device):
     """(B, P) token ids and attention mask for prompts of different lengths."""
     P = max(len(p) for p in prompts)
@@ -192,10 +216,11 @@ class HFSampler:
 
     @torch.no_grad()
     def load_weights(self, named_tensors):
-        params = self.model.state_dict(keep_vars=True)
+        params, sent = self.model.state_dict(keep_vars=True), []
         for name, tensor in named_tensors:
             if name not in params:
-                raise KeyError(f"sampler model has no parameter {name!r}")
+                raise WeightSyncError(f"weight sync sent {name!r}, which the sampler's model does not have")
+            sent.append(name)
             p = params[name]
             if self.offloaded:  # asleep: the new weights go straight to the device, not through the host copy
                 p.data = torch.empty_like(p, device=self.device)
@@ -203,6 +228,7 @@ class HFSampler:
         if self.offloaded:  # the rest (buffers) follows, and wake() has no whole-model copy left to make
             self.model.to(self.device)
             self.offloaded = False
+        check_sync(weight_names(self.model), sent)
 
     def sleep(self):
         """Move the inference copy off the accelerator while the trainer needs the memory."""

@@ -16,7 +16,12 @@ project makes is in this file; tests/check_vllm_contract.py checks each name aga
         (the in-process model, reachable because external_launcher keeps the engine in this process)
 
 `load_weights` takes Hugging Face checkpoint names; the vLLM model maps them to its own layout
-(q/k/v into qkv_proj, gate/up into gate_up_proj) and skips lm_head when embeddings are tied.
+(q/k/v into qkv_proj, gate/up into gate_up_proj), skips lm_head when embeddings are tied, raises
+ValueError on a name it does not know, and returns the names of its own parameters that received a
+tensor (vllm/model_executor/models/utils.py:476-478). Nothing in vLLM checks that set on this path
+(only its disk loader does, vllm/model_executor/model_loader/default_loader.py:567-572), so the sync
+checks it: every vLLM parameter must have received a tensor, and every Hugging Face weight must have
+been sent (a stacked qkv_proj shows as received when only q arrived).
 vLLM's own RL weight-update API (vllm/entrypoints/rl: init_weight_transfer_engine, update_weights)
 connects a trainer in another process through a transfer backend (vllm/distributed/weight_transfer);
 colocated in one process, the direct call streams each full tensor with no transport in between.
@@ -48,20 +53,12 @@ import numpy as np
 import torch
 
 from minigdpo import dist
-from minigdpo.sampler import Completion
+from minigdpo.sampler import Completion, WeightSyncError, check_sync, weight_names
 
 VLLM_VERSION = "0.33.0"
 # What the vLLM 0.33.0 wheel declares (its METADATA); setup.py's own ranges must lie inside these.
 # tests/check_vllm_contract.py compares this record with the wheel.
 VLLM_REQUIRES = {"torch": "==2.14.0", "transformers": ">=5.16.1,<5.21.0"}
-WRAPPER_PREFIXES = ("_checkpoint_wrapped_module.", "_orig_mod.", "_fsdp_wrapped_module.")
-
-
-def vllm_name(name):
-    """Hugging Face checkpoint name for a parameter name that wrappers may have prefixed."""
-    for prefix in WRAPPER_PREFIXES:
-        name = name.replace(prefix, "")
-    return name
 
 
 def request_seeds(seed, num_prompts, n):
@@ -102,6 +99,14 @@ class _KeepRNG:
             torch.cuda.set_rng_state_all(cuda)
 
 
+def _hf_names(path):
+    """The Hugging Face weight names of the checkpoint at `path`, read from a model on the meta device."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    with torch.device("meta"):
+        return weight_names(AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path)))
+
+
 class VLLMSampler:
     """Sampler interface over a colocated vLLM engine (see the module docstring for the order of calls)."""
 
@@ -120,6 +125,7 @@ class VLLMSampler:
                                 tensor_parallel_size=1, distributed_executor_backend="external_launcher",
                                 logprobs_mode="processed_logprobs")  # log-probs after temperature, as the trainer computes them
         self.weights_awake, self.kv_awake = True, True
+        self.expected = _hf_names(model_path)  # what every sync must send
 
     def _model(self):
         return self.llm.llm_engine.model_executor.driver_worker.model_runner.model
@@ -150,11 +156,24 @@ class VLLMSampler:
         self.llm.wake_up(tags=[tag])
 
     def load_weights(self, named_tensors):
-        """Stream (HF name, full tensor) pairs into the engine, then drop prefix-cache entries."""
-        if not self.weights_awake:
+        """Stream (HF name, full tensor) pairs into the engine, check that none of its weights stayed stale,
+        then drop prefix-cache entries."""
+        if not self.weights_awake:  # writing into sleeping weights would write into unmapped memory
             self._wake_up("weights")
             self.weights_awake = True
-        self._model().load_weights((vllm_name(name), tensor) for name, tensor in named_tensors)
+        sent = []
+
+        def stream():
+            for name, tensor in named_tensors:
+                sent.append(name)
+                yield name, tensor
+
+        model = self._model()
+        loaded = model.load_weights(stream())
+        stale = [name for name, _ in model.named_parameters() if name not in loaded]
+        if stale:
+            raise WeightSyncError(f"vLLM's {', '.join(stale[:5])} received no tensor in the weight sync")
+        check_sync(self.expected, sent)
         self.llm.reset_prefix_cache()
 
     def sleep(self):

@@ -24,11 +24,29 @@ Behaviours:
   init_process_group (distributed/parallel_state.py:1928-1983);
 - building the engine reseeds python, numpy, torch and CUDA RNGs (v1/worker/gpu_worker.py:517 and 1094,
   utils/torch_utils.py:528-539);
-- level-1 sleep backs the weights up to CPU and wake_up restores that copy; a write into sleeping weights
-  is lost (device_allocator/cumem.py:265-276, 346-357);
+- level-1 sleep backs the weights up to CPU, then unmaps their GPU memory; wake_up maps it again at the
+  same address and restores the copy (device_allocator/cumem.py:265-280, 345-360;
+  device_allocator/sleep_mode_backend.py:134-137). A write into sleeping weights touches unmapped memory:
+  a CUDA error (illegal address), raised here. Level 2 keeps no copy: after wake_up the weights are
+  uninitialised memory (cumem.py:361-364 zeroes it on ROCm only), NaN here, until reloaded;
 - a Llama/Qwen2 `load_weights` maps Hugging Face names onto the stacked qkv_proj / gate_up_proj layout
   (model_executor/models/llama.py:348-357, model_executor/models/qwen2.py:325), skips rotary buffers
-  (model_executor/models/utils.py:236) and a tied lm_head (model_executor/models/utils.py:255-259).
+  (model_executor/models/utils.py:236) and a tied lm_head (model_executor/models/utils.py:255-259), raises
+  ValueError on a name it does not know (model_executor/models/utils.py:441-448) except an unexpected
+  ".bias", which it ignores (model_executor/models/utils.py:457-458), raises ValueError when a tied lm_head
+  came without its embedding (model_executor/models/utils.py:491-502), and returns the set of its own
+  parameter names that received a tensor (model_executor/models/utils.py:476-478);
+- the model attribute chain llm_engine.model_executor exists only in-process, which external_launcher
+  forces (config/parallel.py:1050-1052, v1/engine/llm_engine.py:136-138); by default the engine core runs in
+  another process and llm_engine has no model_executor;
+- sleep mode turns on the CuMem allocator (config/model.py:666-673), of which one instance serves a process:
+  a second engine built while the first's memory is alive fails an assertion (v1/worker/gpu_worker.py:413-416);
+- 0 < temperature < 0.01 is raised to 0.01 (sampling_params.py:560-568); below 0 or above 2 is refused
+  (sampling_params.py:662-673) with VLLMValidationError, which is not a ValueError (exceptions.py:10-28);
+- the EOS ids of the model's generation_config.json, other than the tokenizer's, join each request's stop
+  ids unless ignore_eos (v1/engine/input_processor.py:489-492, sampling_params.py:775-803);
+- a prompt of max_model_len tokens or more is refused (v1/engine/input_processor.py:574-602), and a completion
+  ends with finish_reason "length" once prompt + completion reach max_model_len (v1/core/sched/utils.py:114-118).
 `install(monkeypatch)` puts it in sys.modules as `vllm` and `vllm.inputs`.
 """
 
@@ -42,6 +60,10 @@ import numpy as np
 import torch
 
 VERSION = "0.33.0"
+
+
+class VLLMValidationError(Exception):  # exceptions.py:10-28: VLLMError(Exception), not a ValueError
+    pass
 
 
 @dataclass
@@ -81,10 +103,14 @@ class SamplingParams:
         if self.seed == -1:  # sampling_params.py:570-571
             self.seed = None
         self.stop_token_ids = list(dict.fromkeys(stop_token_ids or []))  # sampling_params.py:582-585
-        if temperature < 1e-5:  # sampling_params.py:615-620, 769-773: greedy
+        if 0 < temperature < 0.01:  # sampling_params.py:560-568: "We have maxed it out to 0.01"
+            self.temperature = 0.01
+        if not 0 <= self.temperature <= 2:  # sampling_params.py:662-673
+            raise VLLMValidationError(f"temperature must be in [0, 2], got {temperature}.")
+        if self.temperature < 1e-5:  # sampling_params.py:615-620, 769-773: greedy
             self.top_p, self.top_k = 1.0, 0
             if n > 1:
-                raise ValueError(f"n must be 1 when using greedy sampling, got {n}.")
+                raise VLLMValidationError(f"n must be 1 when using greedy sampling, got {n}.")
 
 
 def TokensPrompt(prompt_token_ids):  # a TypedDict in vLLM (inputs/__init__.py:33)
@@ -136,19 +162,29 @@ class FakeModel:
         self.params = {k: torch.zeros(v) for k, v in p.items()}
         self.received = []  # (hf name, shape) in arrival order
 
+    def named_parameters(self):
+        return iter(self.params.items())
+
     def _rows(self, shard):
         return {"q": (0, self.q), "k": (self.q, self.q + self.kv), "v": (self.q + self.kv, self.q + 2 * self.kv)}[shard]
 
     def load_weights(self, weights):
-        loaded = set()
+        loaded, tied_alone = set(), False
         for name, tensor in weights:
             self.received.append((name, tuple(tensor.shape)))
-            if "rotary_emb.inv_freq" in name or (name == "lm_head.weight" and self.config.tie_word_embeddings):
+            if "rotary_emb.inv_freq" in name:                                             # utils.py:236
+                continue
+            if name == "lm_head.weight" and self.config.tie_word_embeddings:             # utils.py:255-259, 480-489
+                tied_alone = True
                 continue
             for packed, part, shard in STACKED:
                 if part in name:
                     target = name.replace(part, packed)
-                    param = self.params[target]  # KeyError for a name vLLM does not know
+                    if target not in self.params:
+                        if name.endswith(".bias"):                                         # utils.py:457-458
+                            break
+                        self._unknown(name)
+                    param = self.params[target]
                     if isinstance(shard, str):
                         lo, hi = self._rows(shard)
                     else:
@@ -158,10 +194,19 @@ class FakeModel:
                     loaded.add(target)
                     break
             else:
-                param = self.params[name]
-                self.engine.write(name, param, slice(None), tensor)
+                if name not in self.params:
+                    if name.endswith(".bias"):                                             # utils.py:457-458
+                        continue
+                    self._unknown(name)
+                self.engine.write(name, self.params[name], slice(None), tensor)
                 loaded.add(name)
-        return loaded
+        if tied_alone and "model.embed_tokens.weight" not in loaded:                       # utils.py:491-502
+            raise ValueError("'lm_head.weight' was skipped because it is tied to 'model.embed_tokens.weight', but "
+                             "'model.embed_tokens.weight' was not found in the checkpoint")
+        return loaded                                                                       # utils.py:476-478
+
+    def _unknown(self, name):                                                               # utils.py:441-448
+        raise ValueError(f"There is no module or parameter named {name!r} in {self.config.model_type}")
 
 
 ENGINE_ARGS = ("max_model_len", "max_num_seqs", "enable_sleep_mode", "enable_prefix_caching",
@@ -180,30 +225,43 @@ class LLM:
             raise TypeError(f"EngineArgs got unexpected keyword arguments {sorted(unknown)}")
         self.kwargs = dict(model=model, tokenizer=tokenizer, dtype=dtype, seed=seed, tensor_parallel_size=tensor_parallel_size,
                            gpu_memory_utilization=gpu_memory_utilization, **kwargs)
-        if kwargs.get("distributed_executor_backend") == "external_launcher":
+        external = kwargs.get("distributed_executor_backend") == "external_launcher"
+        if external:
             rank, _ = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"])  # KeyError without them
             if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not torch.distributed.is_initialized():
                 raise RuntimeError(f"rank {rank} would wait forever in init_process_group: no default process group")
+        if kwargs.get("enable_sleep_mode") and any(i.kwargs.get("enable_sleep_mode") for i in LLM.instances):
+            raise AssertionError("CuMem allocator can only be used for one instance per process.")  # gpu_worker.py:413-416
         set_random_seed(seed)
         self.logprobs_mode = kwargs.get("logprobs_mode", "raw_logprobs")
         self.calls = []
         self.sleeping_tags = set()
         self.backup = None
+        from transformers import GenerationConfig
+
         config = AutoConfig.from_pretrained(model)
         self.eos_token_id = AutoTokenizer.from_pretrained(tokenizer or model).eos_token_id  # input_processor.py:489-492
+        try:  # config/model.py:1837-1858 (the config's own EOS when the model has no generation_config.json)
+            eos = GenerationConfig.from_pretrained(model).eos_token_id
+        except OSError:
+            eos = config.eos_token_id
+        eos = set() if eos is None else {eos} if isinstance(eos, int) else set(eos)
+        self.generation_eos = sorted(eos - {self.eos_token_id})  # sampling_params.py:790-797
+        self.max_model_len = kwargs.get("max_model_len") or config.max_position_embeddings
         table = torch.randn(config.vocab_size, config.vocab_size, generator=torch.Generator().manual_seed(0))
         self.logits = lambda prompt, output: table[(output or prompt)[-1]]  # a toy LM: (V,) next-token logits
         self.streams = []  # (request index, sample index, seed its noise was drawn from)
         model_obj = FakeModel(config, self)
         executor = types.SimpleNamespace(driver_worker=types.SimpleNamespace(model_runner=types.SimpleNamespace(model=model_obj)))
-        self.llm_engine = types.SimpleNamespace(model_executor=executor)
+        # In-process (model_executor reachable) only under external_launcher (config/parallel.py:1050-1052).
+        self.llm_engine = types.SimpleNamespace(model_executor=executor) if external else types.SimpleNamespace()
         self.model = model_obj
         LLM.instances.append(self)
 
     def write(self, name, param, rows, tensor):
         self.calls.append(("load", name))
-        if "weights" in self.sleeping_tags:  # the GPU pages are unmapped: the write lands nowhere
-            return
+        if "weights" in self.sleeping_tags:  # cumem.py:278: the weights' GPU pages are unmapped
+            raise RuntimeError("CUDA error: an illegal memory access was encountered")
         assert param[rows].shape == tensor.shape, (name, param[rows].shape, tensor.shape)
         param[rows] = tensor.detach().float().cpu()
 
@@ -214,6 +272,11 @@ class LLM:
             raise ValueError(f"The lengths of prompts ({len(prompts)}) and params ({len(params)}) must be the same.")
         self.calls.append(("generate", len(prompts), params[0].n))
         self.last_params = params
+        for prompt in prompts:
+            if len(prompt["prompt_token_ids"]) >= self.max_model_len:  # input_processor.py:574-602
+                raise VLLMValidationError(f"The decoder prompt (length {len(prompt['prompt_token_ids'])}) plus the "
+                                          f"number of requested output tokens (at least 1) is longer than the "
+                                          f"maximum model length of {self.max_model_len}.")
         outs = []
         for i, (prompt, sp) in enumerate(zip(prompts, params)):
             completions = []
@@ -227,8 +290,9 @@ class LLM:
 
     def _sample(self, prompt, sp, index, seed):
         generator = torch.Generator().manual_seed(seed) if seed is not None else None  # gpu_model_runner.py:1265
+        stop_ids = set(sp.stop_token_ids) | (set() if sp.ignore_eos else set(self.generation_eos))  # sampling_params.py:798-803
         ids, steps, finish, stop_reason = [], [], "length", None
-        while len(ids) < sp.max_tokens:
+        while len(ids) < sp.max_tokens and len(prompt) + len(ids) < self.max_model_len:  # core/sched/utils.py:114-118
             raw = self.logits(prompt, ids).float()                                        # (V,)
             logits = raw / sp.temperature                                                 # sampler.py:340
             if sp.top_p < 1.0:
@@ -243,7 +307,7 @@ class LLM:
             if token == self.eos_token_id and not sp.ignore_eos:                          # core/sched/utils.py:105
                 finish = "stop"
                 break
-            if token in sp.stop_token_ids:                                                # core/sched/utils.py:109-112
+            if token in stop_ids:                                                         # core/sched/utils.py:109-112
                 finish, stop_reason = "stop", token
                 break
         cum = sum(next(iter(s.values())).logprob for s in steps) if sp.logprobs is not None else None
@@ -255,6 +319,7 @@ class LLM:
             self.reset_prefix_cache(reset_running_requests=True, reset_connector=True)  # core.py:1007-1008, 940
         if "weights" in self.sleeping_tags:  # abstract.py:401-403: already asleep
             return
+        # sleep_mode_backend.py:134-136: level 1 offloads the weights, level 2 drops them
         self.backup = {k: v.clone() for k, v in self.model.params.items()} if level == 1 else None
         self.sleeping_tags |= {"weights", "kv_cache"}
 
@@ -263,9 +328,10 @@ class LLM:
         if not self.sleeping_tags or any(t not in self.sleeping_tags for t in tags or ()):  # abstract.py:413-422
             return not self.sleeping_tags
         woken = set(tags) if tags else set(self.sleeping_tags)
-        if "weights" in woken and self.backup is not None:  # cumem.py:346-357: the CPU copy comes back
-            for k, v in self.backup.items():
-                self.model.params[k].copy_(v)
+        if "weights" in woken:
+            for k, v in self.model.params.items():  # cumem.py:350-364: the CPU copy comes back, or (level 2) nothing
+                v.copy_(self.backup[k]) if self.backup is not None else v.fill_(float("nan"))
+            self.backup = None
         self.sleeping_tags -= woken
         return not self.sleeping_tags
 
@@ -283,7 +349,11 @@ def install(monkeypatch):
     inputs = types.ModuleType("vllm.inputs")
     inputs.TokensPrompt = TokensPrompt
     vllm.inputs = inputs
+    exceptions = types.ModuleType("vllm.exceptions")
+    exceptions.VLLMValidationError = VLLMValidationError
+    vllm.exceptions = exceptions
     monkeypatch.setitem(sys.modules, "vllm", vllm)
     monkeypatch.setitem(sys.modules, "vllm.inputs", inputs)
+    monkeypatch.setitem(sys.modules, "vllm.exceptions", exceptions)
     LLM.instances.clear()
     return vllm

@@ -18,7 +18,7 @@ import fake_vllm
 from conftest import ROOT, run
 from minigdpo import config, policy, vllm_sampler
 from minigdpo.sampler import SamplingParams
-from minigdpo.vllm_sampler import VLLMSampler, vllm_name
+from minigdpo.vllm_sampler import VLLMSampler
 
 STOP = 256  # tiny-random's <|im_end|>, its EOS
 
@@ -104,12 +104,21 @@ def test_install_resolves_to_the_stack_the_sampler_is_written_for():
     assert Version(torch.__version__).release[:2] in ((2, 13), (2, 14))
 
 
-def test_top_p_below_one_with_vllm_is_refused_before_any_model_loads():
-    for sampler in ("vllm", "auto"):
-        with pytest.raises(config.ConfigError, match="--top-p 0.9 needs --sampler hf"):
-            config.validate(config.Config(sampler=sampler, top_p=0.9))
-    config.validate(config.Config(sampler="hf", top_p=0.9))
-    config.validate(config.Config(sampler="vllm", top_p=1.0))
+def test_settings_vllm_cannot_honour_are_refused_before_any_model_loads():
+    with pytest.raises(config.ConfigError, match="--top-p 0.9 needs --sampler hf"):
+        config.check_sampler(config.Config(top_p=0.9), "vllm")
+    for t in (0.005, 2.5):  # vLLM would sample at 0.01, or refuse: the trainer's log-probs would use t
+        with pytest.raises(config.ConfigError, match=f"--temperature {t} needs --sampler hf"):
+            config.check_sampler(config.Config(temperature=t), "vllm")
+        config.check_sampler(config.Config(temperature=t, top_p=0.9), "hf")
+    config.check_sampler(config.Config(temperature=0.01), "vllm")
+
+
+def test_fake_raises_small_temperatures_to_one_hundredth_and_refuses_large_ones(vllm):
+    assert vllm.SamplingParams(temperature=0.005).temperature == 0.01
+    with pytest.raises(fake_vllm.VLLMValidationError):
+        vllm.SamplingParams(temperature=2.5)
+    assert not issubclass(fake_vllm.VLLMValidationError, ValueError)
 
 
 # Weights --------------------------------------------------------------------------------------
@@ -137,11 +146,6 @@ def test_streamed_names_and_shapes_equal_the_hf_state_dict(vllm, process_group, 
                                    torch.cat([hf[layer + f"self_attn.{x}_proj.bias"] for x in "qkv"]))
     assert ("lm_head.weight" in p) is (not tied)
     assert engine.calls[-1] == ("reset_prefix_cache",)
-
-
-def test_wrapper_prefixes_are_stripped():
-    assert vllm_name("model.layers.0._checkpoint_wrapped_module.mlp.up_proj.weight") == "model.layers.0.mlp.up_proj.weight"
-    assert vllm_name("_orig_mod.lm_head.weight") == "lm_head.weight"
 
 
 def test_engine_arguments(vllm):
@@ -362,3 +366,80 @@ def test_fake_external_launcher_needs_rank_and_a_default_process_group(vllm, mon
         make()
     monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)
     fake_engine(vllm, **launcher)  # joins the trainer's group
+
+
+def test_fake_write_into_sleeping_weights_is_a_cuda_error(vllm):
+    llm = fake_engine(vllm, enable_sleep_mode=True)
+    llm.sleep(level=1)
+    with pytest.raises(RuntimeError, match="illegal memory access"):
+        llm.model.load_weights([("model.norm.weight", torch.ones(llm.model.params["model.norm.weight"].shape))])
+
+
+def test_fake_level_2_sleep_discards_the_weights(vllm):
+    llm = fake_engine(vllm, enable_sleep_mode=True)
+    llm.model.params["model.norm.weight"].fill_(2.0)
+    llm.sleep(level=1)
+    llm.wake_up()
+    assert bool((llm.model.params["model.norm.weight"] == 2.0).all())   # level 1: the CPU copy came back
+    llm.sleep(level=2)
+    llm.wake_up()
+    assert bool(llm.model.params["model.norm.weight"].isnan().all())    # level 2: nothing to restore
+
+
+def test_fake_model_chain_exists_only_under_external_launcher(vllm):
+    assert not hasattr(fake_engine(vllm).llm_engine, "model_executor")  # the engine core runs in another process
+    make()  # the sampler asks for external_launcher, and finds its model
+    assert fake_vllm.LLM.instances[-1].llm_engine.model_executor.driver_worker.model_runner.model is not None
+
+
+def test_fake_one_sleep_mode_engine_per_process(vllm):
+    make()
+    with pytest.raises(AssertionError, match="one instance per process"):
+        make()
+
+
+def test_fake_generation_config_eos_ids_stop_unless_ignore_eos(vllm, tmp_path):
+    from transformers import GenerationConfig
+
+    path = tiny_qwen2(tmp_path, tied=True)
+    GenerationConfig(eos_token_id=[STOP, 7]).save_pretrained(path)   # Qwen2.5's lists two EOS ids, too
+    llm = vllm.LLM(path)
+    llm.logits = forced(lambda prompt, out: 7)
+    (c,) = one(vllm, llm, max_tokens=4)
+    assert (c.token_ids, c.finish_reason, c.stop_reason) == ([7], "stop", 7)
+    (c,) = one(vllm, llm, max_tokens=4, ignore_eos=True)
+    assert (c.token_ids, c.finish_reason) == ([7] * 4, "length")
+
+
+def test_fake_max_model_len_refuses_long_prompts_and_caps_completions(vllm):
+    llm = fake_engine(vllm, max_model_len=6)
+    llm.logits = forced(lambda prompt, out: 5)
+    (c,) = one(vllm, llm, prompt=(1, 2, 3, 4), max_tokens=10)
+    assert (len(c.token_ids), c.finish_reason) == (2, "length")        # 4 + 2 = max_model_len
+    with pytest.raises(fake_vllm.VLLMValidationError, match="maximum model length"):
+        one(vllm, llm, prompt=(1, 2, 3, 4, 5, 6), max_tokens=1)
+
+
+def test_fake_load_weights_returns_what_it_loaded_and_refuses_unknown_names(vllm):
+    llm = fake_engine(vllm)
+    norm = torch.ones(llm.model.params["model.norm.weight"].shape)
+    assert llm.model.load_weights([("model.norm.weight", norm), ("model.layers.0.self_attn.q_proj.bias", norm)]) \
+        == {"model.norm.weight"}                                         # an unexpected bias is ignored
+    with pytest.raises(ValueError, match="no module or parameter named 'model.nrom.weight'"):
+        llm.model.load_weights([("model.nrom.weight", norm)])
+
+
+@pytest.mark.parametrize("lost", ["model.layers.1.self_attn.k_proj.weight", "model.norm.weight"])
+@pytest.mark.parametrize("backend", ["hf", "vllm"])
+def test_a_weight_the_sync_leaves_out_is_an_error_that_names_it(vllm, process_group, backend, lost):
+    """k_proj is one shard of vLLM's stacked qkv_proj, which shows as loaded once q arrived: the sender's
+    side must notice. norm is a whole vLLM parameter: vLLM's returned set shows it missing."""
+    from minigdpo.sampler import HFSampler, WeightSyncError
+
+    path = policy.resolve_model("tiny-random")
+    model = policy.build(path, process_group, torch.float32)
+    sampler = make() if backend == "vllm" else HFSampler(policy.load_model(path), [STOP], 0, torch.device("cpu"))
+    sampler.load_weights(policy.hf_state(model))
+    with pytest.raises(WeightSyncError, match=lost.replace(".", r"\.").replace("k_proj", "(k_proj|qkv_proj)")
+                       if backend == "hf" else "(k_proj|norm)"):
+        sampler.load_weights((n, t) for n, t in policy.hf_state(model) if n != lost)
