@@ -47,10 +47,10 @@ import time
 
 import torch
 
-from minigdpo import checkpoint, data, lora, policy
+from minigdpo import checkpoint, data, dist, lora, policy
 from minigdpo.config import Config
 from minigdpo.rewards import RewardScorer
-from minigdpo.sampler import SamplingParams, SamplerUnavailable, make_sampler
+from minigdpo.sampler import SamplingParams, SamplerUnavailable, make_sampler, resolve_kind
 
 # task -> (reward that means "solved" and its threshold, reward that means "well formatted")
 TASK_METRICS = {
@@ -185,49 +185,97 @@ def fill_settings(args, run):
     return taken
 
 
-def evaluate(model, args, examples, names, out_file):
-    """Sample, score and summarise one model on `examples`; each completion goes to out_file.
-
-    Returns (summary, prompt_stats)."""
-    scorer = RewardScorer(names)
-    device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+def model_path(model, out_dir, label=""):
+    """A directory every sampler loads: the model itself, or a LoRA adapter merged into its base model."""
     path = policy.resolve_model(model)
     if lora.is_adapter_dir(path):  # base + adapter, merged once into a directory every sampler loads
-        name = os.path.splitext(os.path.basename(out_file))[0].replace("completions", "merged_model")
-        path = lora.merge_adapter_dir(path, os.path.join(os.path.dirname(out_file), name))
-        print(f"{model}: merged with its base model into {path}", file=sys.stderr)
-    tokenizer = policy.load_tokenizer(path)
+        path = lora.merge_adapter_dir(path, os.path.join(out_dir, f"merged_model{label}")) if dist.is_main() else None
+        path = dist.broadcast_object(path)
+        dist.print0(f"{model}: merged with its base model into {path}", file=sys.stderr)
+    return path
+
+
+def new_sampler(path, args):
+    """(sampler, tokenizer) for the model at `path`."""
     from transformers import AutoConfig, GenerationConfig
 
+    tokenizer = policy.load_tokenizer(path)
     try:
         gen_config = GenerationConfig.from_pretrained(path)
     except OSError:
         gen_config = None
     stop_ids = policy.stop_token_ids(AutoConfig.from_pretrained(path), gen_config, tokenizer)
+    device = dist.device() if dist.is_initialized() else torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     sampler = make_sampler(args.sampler, path, device, tokenizer, stop_ids, dtype, seed=args.seed,
                            max_model_len=args.max_prompt_len + args.max_new_tokens)
-    params = SamplingParams(args.temperature, args.top_p, args.max_new_tokens, seed=args.seed)
+    return sampler, tokenizer
 
-    all_rewards, lengths, truncated = [], [], []
+
+def same_shape(a, b):
+    """Whether the checkpoints at a and b hold the same tensors (names and shapes) and the same vocabulary."""
+    from safetensors import safe_open
+
+    def shapes(path):
+        out = {}
+        for file in policy.safetensors_files(path):
+            with safe_open(file, "pt") as f:
+                out |= {name: f.get_slice(name).get_shape() for name in f.keys()}
+        out.pop("lm_head.weight", None)  # a tied head is saved by some writers, not by others
+        return out
+
+    return shapes(a) == shapes(b) and policy.load_tokenizer(a).get_vocab() == policy.load_tokenizer(b).get_vocab()
+
+
+def swap_in(sampler, tokenizer, source, path, args, kind):
+    """(sampler, tokenizer) for the model at `path`, after `sampler` served the model at `source`: the same
+    sampler with `path`'s weights streamed in when the two share their shapes and vocabulary, else a new
+    one. With vLLM it must be the same engine: its CuMem allocator serves one engine per process
+    (vllm/v1/worker/gpu_worker.py:413-416)."""
+    if same_shape(source, path):
+        sampler.load_weights(policy.checkpoint_tensors(path))  # each sampler casts to its own dtype
+        return sampler, tokenizer
+    if kind == "vllm":
+        raise ValueError(f"--baseline {path} differs from --model {source} in its tensors' shapes or its vocabulary: "
+                         "with --sampler vllm one engine serves both (vLLM allows one per process)")
+    return new_sampler(path, args)
+
+
+def evaluate(sampler, tokenizer, label, args, examples, names, out_file):
+    """Sample, score and summarise one model on `examples`; each completion goes to out_file.
+
+    Under a process group every rank samples its own slice of the prompts (rank 0 the first), and rank 0
+    gathers them, summarises and writes. Returns (summary, prompt_stats) on rank 0, None elsewhere."""
+    scorer = RewardScorer(names)
+    params = SamplingParams(args.temperature, args.top_p, args.max_new_tokens, seed=args.seed)
+    per_rank = -(-len(examples) // dist.world_size())
+    first = dist.rank() * per_rank
+    mine = examples[first:first + per_rank]
+    rows, all_rewards, lengths, truncated = [], [], [], []
     t0 = time.perf_counter()
+    for s in range(0, len(mine), args.batch_size):
+        batch = mine[s:s + args.batch_size]
+        prompts = [data.encode_prompt(tokenizer, ex["messages"], args.max_prompt_len) for ex in batch]
+        completions = [c for group in sampler.generate(prompts, args.n, params) for c in group]
+        rewards, _ = scorer([c.text for c in completions], [ex for ex in batch for _ in range(args.n)],
+                            [len(c.token_ids) for c in completions])
+        for i, c in enumerate(completions):
+            rows.append({"prompt_index": first + s + i // args.n, "sample": i % args.n, "completion": c.text,
+                         "tokens": len(c.token_ids), "finish_reason": c.finish_reason,
+                         "rewards": {n: (None if math.isnan(v) else v) for n, v in zip(names, rewards[i].tolist())}})
+        all_rewards.append(rewards.view(len(batch), args.n, len(names)))                   # (b, n, R)
+        lengths.append(torch.tensor([len(c.token_ids) for c in completions]).view(len(batch), args.n))
+        truncated.append(torch.tensor([c.finish_reason == "length" for c in completions]).view(len(batch), args.n))
+        dist.print0(f"{label}: evaluated {min(s + args.batch_size, len(mine)) * dist.world_size()}/{len(examples)} "
+                    "prompts", file=sys.stderr)
+    parts = dist.all_gather_object((rows, all_rewards, lengths, truncated))
+    if not dist.is_main():
+        return None
     with open(out_file, "w") as f:
-        for s in range(0, len(examples), args.batch_size):
-            batch = examples[s:s + args.batch_size]
-            prompts = [data.encode_prompt(tokenizer, ex["messages"], args.max_prompt_len) for ex in batch]
-            completions = [c for group in sampler.generate(prompts, args.n, params) for c in group]
-            rewards, _ = scorer([c.text for c in completions], [ex for ex in batch for _ in range(args.n)],
-                                [len(c.token_ids) for c in completions])
-            for i, c in enumerate(completions):
-                f.write(json.dumps({"prompt_index": s + i // args.n, "sample": i % args.n, "completion": c.text,
-                                    "tokens": len(c.token_ids), "finish_reason": c.finish_reason,
-                                    "rewards": {n: (None if math.isnan(v) else v) for n, v in zip(names, rewards[i].tolist())}}) + "\n")
-            all_rewards.append(rewards.view(len(batch), args.n, len(names)))                   # (b, n, R)
-            lengths.append(torch.tensor([len(c.token_ids) for c in completions]).view(len(batch), args.n))
-            truncated.append(torch.tensor([c.finish_reason == "length" for c in completions]).view(len(batch), args.n))
-            print(f"{model}: evaluated {min(s + args.batch_size, len(examples))}/{len(examples)} prompts", file=sys.stderr)
-    figures = (args.task, names, torch.cat(all_rewards), torch.cat(lengths), torch.cat(truncated), args.n)
-    summary = summarise(*figures) | {"seconds": time.perf_counter() - t0, "model": model}
+        f.writelines(json.dumps(row) + "\n" for part in parts for row in part[0])
+    cat = [torch.cat([t for part in parts for t in part[k]]) for k in (1, 2, 3)]
+    figures = (args.task, names, *cat, args.n)
+    summary = summarise(*figures) | {"seconds": time.perf_counter() - t0, "model": label}
     return summary, prompt_stats(*figures)
 
 
@@ -278,7 +326,7 @@ def parse_args(argv=None):
     explicit = [k for k in RUN_SETTINGS if getattr(args, k) is not None]
     taken = fill_settings(args, run_config)
     if taken:
-        print(f"settings from the run of {source}: " + " ".join(f"{k}={getattr(args, k)}" for k in taken)
+        dist.print0(f"settings from the run of {source}: " + " ".join(f"{k}={getattr(args, k)}" for k in taken)
               + ("; from the command line: " + " ".join(f"{k}={getattr(args, k)}" for k in explicit) if explicit else ""))
     if args.n < 1 or args.batch_size < 1 or args.max_new_tokens < 1 or args.temperature < 0 or args.limit < 0:
         p.error("--n, --batch-size and --max-new-tokens must be >= 1, --temperature and --limit >= 0")
@@ -287,18 +335,33 @@ def parse_args(argv=None):
     return args
 
 
-def main(argv=None):
+def main(argv=None, sampler=None, tokenizer=None, source=None):
+    """Evaluate --model (and --baseline) as the command line says; returns the summary (None off rank 0).
+
+    `sampler` (with its `tokenizer`), built for the checkpoint at `source` and now holding --model's
+    weights, is used instead of building one: train.py's final evaluation passes its own, under its
+    process group, so that every rank takes a slice of the prompts and no second vLLM engine is built."""
     args = parse_args(argv)
     extra = {"length_limit": args.length_limit, "length_unit": args.length_unit, "answer_format": args.answer_format}
     task = data.load_task(args.task, args.data, args.split, False, args.arith_difficulty, extra)
     examples = task.examples[:args.limit] if args.limit else task.examples
     names = [r for r in args.rewards.split(",") if r] or task.rewards
     out_dir = args.output or os.path.join("runs", "eval", args.task)
-    os.makedirs(out_dir, exist_ok=True)
-
-    result = evaluate(args.model, args, examples, names, os.path.join(out_dir, "completions.jsonl"))
+    if dist.is_main():
+        os.makedirs(out_dir, exist_ok=True)
+    kind = resolve_kind(args.sampler)
+    if sampler is None:
+        source = model_path(args.model, out_dir)
+        sampler, tokenizer = new_sampler(source, args)
+    result = evaluate(sampler, tokenizer, args.model, args, examples, names, os.path.join(out_dir, "completions.jsonl"))
     if args.baseline:
-        base = evaluate(args.baseline, args, examples, names, os.path.join(out_dir, "completions_baseline.jsonl"))
+        baseline = model_path(args.baseline, out_dir, "_baseline")
+        sampler, tokenizer = swap_in(sampler, tokenizer, source, baseline, args, kind)
+        base = evaluate(sampler, tokenizer, args.baseline, args, examples, names,
+                        os.path.join(out_dir, "completions_baseline.jsonl"))
+    if not dist.is_main():
+        return None
+    if args.baseline:
         rows = compare(result, base)
         summary = {"model": result[0], "baseline": base[0],
                    "difference": {k: {"diff": d, "low": lo, "high": hi} for k, (_, _, d, lo, hi) in rows.items()},
@@ -314,16 +377,18 @@ def main(argv=None):
     return summary
 
 
-def after_training(cfg):
-    """train.py's final check (cfg.final_eval > 0): the run's last checkpoint against the model it started from,
-    greedy, on the first cfg.final_eval problems of the task's held-out split. Rank 0 alone calls it."""
+def after_training(cfg, sampler, tokenizer):
+    """train.py's final check (cfg.final_eval > 0), on every rank, with the trainer's own sampler, which
+    holds the trained weights: the run's last checkpoint against the model it started from, greedy, on
+    the first cfg.final_eval problems of the task's held-out split."""
     last = checkpoint.latest(cfg.output_dir)
     if last is None:
-        print("final evaluation skipped: the run has no complete checkpoint")
+        dist.print0("final evaluation skipped: the run has no complete checkpoint")
         return None
-    print(f"\nfinal evaluation: held-out {cfg.task} problems, the trained model against {cfg.model}")
-    return main(["--model", last, "--baseline", cfg.model, "--limit", str(cfg.final_eval),
-                 "--sampler", cfg.sampler, "--output", os.path.join(cfg.output_dir, "final_eval")])
+    dist.print0(f"\nfinal evaluation: held-out {cfg.task} problems, the trained model against {cfg.model}")
+    argv = ["--model", last, "--baseline", cfg.model, "--limit", str(cfg.final_eval), "--sampler", cfg.sampler,
+            "--output", os.path.join(cfg.output_dir, "final_eval")]
+    return main(argv, sampler, tokenizer, source=policy.resolve_model(cfg.model))
 
 
 if __name__ == "__main__":

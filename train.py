@@ -352,11 +352,11 @@ def run_training(argv=None):
 
     log.close()
     dist.print0(metrics.start_end_table(log.first, log.recent, reward_names))
-    dist.cleanup(together=True)
-    if cfg.final_eval and rank == 0:  # after the process group is gone, so no other rank waits on this one
+    if cfg.final_eval:  # every rank, with the trainer's own sampler: no second vLLM engine in this process
         import eval as evaluation
 
-        evaluation.after_training(cfg)
+        evaluation.after_training(cfg, sampler, tokenizer)
+    dist.cleanup(together=True)
 
 
 if __name__ == "__main__":

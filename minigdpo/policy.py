@@ -310,20 +310,36 @@ def empty_model(path, dtype):
     return lm
 
 
-def shard_reader(path, lm):
-    """read(name, start, stop): rows start:stop of parameter `name`, read from the memory-mapped
-    safetensors files, so a rank touches only the rows it keeps; None when the checkpoint's
-    tensors do not match lm's parameters by name and shape (then build loads it whole)."""
-    from safetensors import safe_open
+def safetensors_files(path):
+    """The safetensors files of a local or hub checkpoint (none for a checkpoint stored otherwise)."""
     from transformers.utils import cached_file
 
     quiet = dict(_raise_exceptions_for_missing_entries=False, _raise_exceptions_for_connection_errors=False)
     index = cached_file(path, "model.safetensors.index.json", **quiet)
     if index:
         with open(index) as f:
-            files = [cached_file(path, name) for name in sorted(set(json.load(f)["weight_map"].values()))]
-    else:
-        files = [f for f in [cached_file(path, "model.safetensors", **quiet)] if f]
+            return [cached_file(path, name) for name in sorted(set(json.load(f)["weight_map"].values()))]
+    return [f for f in [cached_file(path, "model.safetensors", **quiet)] if f]
+
+
+def checkpoint_tensors(path, dtype=None):
+    """Yield (name, tensor) for every tensor of the checkpoint at `path`, one at a time, in `dtype` when given."""
+    from safetensors import safe_open
+
+    for file in safetensors_files(path):
+        with safe_open(file, "pt") as f:
+            for name in f.keys():
+                t = f.get_tensor(name)
+                yield name, t.to(dtype) if dtype is not None else t
+
+
+def shard_reader(path, lm):
+    """read(name, start, stop): rows start:stop of parameter `name`, read from the memory-mapped
+    safetensors files, so a rank touches only the rows it keeps; None when the checkpoint's
+    tensors do not match lm's parameters by name and shape (then build loads it whole)."""
+    from safetensors import safe_open
+
+    files = safetensors_files(path)
     shapes, where = {}, {}
     for file in files:
         with safe_open(file, "pt") as f:

@@ -344,7 +344,10 @@ class LLM:
 
 
 def install(monkeypatch):
+    import importlib.machinery
+
     vllm = types.ModuleType("vllm")
+    vllm.__spec__ = importlib.machinery.ModuleSpec("vllm", None)  # importlib.util.find_spec("vllm") finds it
     vllm.LLM, vllm.SamplingParams, vllm.__version__ = LLM, SamplingParams, VERSION
     inputs = types.ModuleType("vllm.inputs")
     inputs.TokensPrompt = TokensPrompt

@@ -7,6 +7,7 @@ Run: pytest tests/test_vllm_sampler.py
 """
 
 import ast
+import json
 import os
 import random
 
@@ -443,3 +444,44 @@ def test_a_weight_the_sync_leaves_out_is_an_error_that_names_it(vllm, process_gr
     with pytest.raises(WeightSyncError, match=lost.replace(".", r"\.").replace("k_proj", "(k_proj|qkv_proj)")
                        if backend == "hf" else "(k_proj|norm)"):
         sampler.load_weights((n, t) for n, t in policy.hf_state(model) if n != lost)
+
+
+# One engine per process: eval.py --baseline and train.py's final evaluation ---------------------------
+
+def test_eval_with_a_baseline_serves_both_models_from_one_engine(vllm, monkeypatch, tmp_path):
+    """vLLM allows one sleep-mode engine per process: the baseline's weights are streamed into the engine
+    built for --model, and the engine samples with them."""
+    import eval as evaluation
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)       # --sampler vllm needs CUDA
+    monkeypatch.setattr(torch.cuda, "get_rng_state_all", lambda: [])
+    monkeypatch.setattr(torch.cuda, "set_rng_state_all", lambda states: None)
+    base = policy.resolve_model("tiny-random")
+    other = str(tmp_path / "other")
+    lm = policy.load_model(base)
+    with torch.no_grad():
+        lm.model.norm.weight.fill_(0.5)
+    lm.save_pretrained(other)
+    policy.load_tokenizer(base).save_pretrained(other)
+    summary = evaluation.main(["--model", other, "--baseline", base, "--task", "arith", "--limit", "2", "--sampler",
+                               "vllm", "--max-new-tokens", "3", "--max-prompt-len", "48", "--output", str(tmp_path / "e")])
+    assert len(fake_vllm.LLM.instances) == 1 and summary["model"]["prompts"] == summary["baseline"]["prompts"] == 2
+    engine = fake_vllm.LLM.instances[0]
+    assert bool((engine.model.params["model.norm.weight"] == lm.model.norm.weight.new_ones(1)).all())  # the baseline's
+    fake_vllm.LLM.instances.clear()  # as in a new process
+    with pytest.raises(ValueError, match="one engine serves both"):  # another shape cannot share the engine
+        evaluation.main(["--model", base, "--baseline", tiny_qwen2(tmp_path, tied=True), "--task", "arith", "--limit",
+                         "1", "--sampler", "vllm", "--max-new-tokens", "2", "--output", str(tmp_path / "f")])
+
+
+@pytest.mark.parametrize("nproc", [1, pytest.param(2, marks=pytest.mark.slow)])
+def test_train_with_vllm_runs_its_final_evaluation_on_its_own_engine(tmp_path, nproc):
+    """The final evaluation runs on every rank with the trainer's engine, while the process group is up
+    (a second engine would fail vLLM's one-per-process assertion; a rank without the group could not
+    build one under external_launcher)."""
+    proc = run(["tests/vllm_train.py", "--preset", "smoke", "--max-steps", "1", "--final-eval", "3", "--save-every", "0",
+                "--output-dir", str(tmp_path)], nproc=nproc)
+    assert proc.stdout.count("engines built: 1") == nproc
+    assert proc.stdout.count("95% paired bootstrap") == 1
+    summary = json.load(open(tmp_path / "final_eval" / "summary.json"))
+    assert summary["model"]["prompts"] == summary["baseline"]["prompts"] == 3
