@@ -234,13 +234,6 @@ def resident_bytes(model):
     return total, whole
 
 
-def reduce_dtypes(model):
-    """The dtype each FSDP2 parameter group of a sharded model reduces its gradients in, fixed at the
-    model's first forward (None for a group that had no trainable parameter then)."""
-    return [m._get_fsdp_state()._fsdp_param_group._reduce_dtype for m in model.modules()
-            if isinstance(m, FSDPModule) and m._get_fsdp_state()._fsdp_param_group is not None]
-
-
 def fsdp_collectives_module():
     """The module where FSDP2 (torch 2.13, torch/distributed/fsdp/_fully_shard/_fsdp_param_group.py)
     looks up foreach_all_gather and foreach_reduce: benchmarks wrap them there to count collectives."""

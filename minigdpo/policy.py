@@ -187,7 +187,7 @@ class ChunkedLogProbs(torch.autograd.Function):
         ent = hidden.new_empty(K if entropy else 0, dtype=torch.float32)    # (K,)
         for s in range(0, K, chunk):
             e = min(s + chunk, K)
-            logits = (hidden[s:e] @ weight.T).float()                      # (k, V)
+            logits = _mm_fp32_out(hidden[s:e], weight.T)                   # (k, V) fp32
             if temperature != 1.0:
                 logits.div_(temperature)
             lse[s:e] = torch.logsumexp(logits, dim=-1)
@@ -203,35 +203,39 @@ class ChunkedLogProbs(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_logp, grad_ent):
         hidden, weight, targets, lse = ctx.saved_tensors
-        grad_h = torch.zeros_like(hidden)                                   # (K, H)
-        grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)  # (V, H)
+        need_h, need_w = ctx.needs_input_grad[:2]  # a frozen head (LoRA) needs no (V, H) gradient: 1/3 of the FLOPs
+        grad_h = torch.zeros_like(hidden) if need_h else None               # (K, H)
+        grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None  # (V, H)
         rows = torch.arange(min(ctx.chunk, hidden.shape[0]), device=hidden.device)
         for s in range(0, hidden.shape[0], ctx.chunk):
             e = min(s + ctx.chunk, hidden.shape[0])
             g = grad_logp[s:e].float() / ctx.temperature                    # (k,)
-            logits = (hidden[s:e] @ weight.T).float()                      # (k, V)
+            logits = _mm_fp32_out(hidden[s:e], weight.T)                   # (k, V) fp32
             if ctx.temperature != 1.0:
                 logits.div_(ctx.temperature)
             probs = logits.sub_(lse[s:e, None]).exp_()                     # (k, V) softmax, in place
             d = probs.mul_(-g[:, None])                                    # (k, V) d loss / d logits
             d[rows[:e - s], targets[s:e]] += g
             d = d.to(hidden.dtype)                                         # (k, V) in the compute dtype
-            grad_h[s:e] = (d @ weight).to(grad_h.dtype)                    # (k, H)
-            grad_w += _mm_fp32_out(d.T, hidden[s:e])                       # (V, H), summed in fp32
-        return grad_h, grad_w.to(weight.dtype), None, None, None, None
+            if need_h:
+                grad_h[s:e] = (d @ weight).to(grad_h.dtype)                # (k, H)
+            if need_w:
+                grad_w += _mm_fp32_out(d.T, hidden[s:e])                   # (V, H), summed in fp32
+        return grad_h, grad_w.to(weight.dtype) if need_w else None, None, None, None, None
 
 
 def _mm_fp32_out(a, b):
-    """a @ b at the speed of a's dtype, for a float32 sum.
+    """a @ b at the speed of a's dtype, written in float32.
 
-    An fp32 matmul runs at about 1/15 of bf16's speed on an H100 (TF32 is off by default), and the
-    (V, H) head gradient is a large share of the update. On CUDA the bf16 product accumulates and is
-    written in fp32 (out_dtype); elsewhere (CPU has no such kernel) it is rounded to bf16 once per
-    chunk, and the caller sums the chunks in fp32.
+    An fp32 matmul runs at about 1/15 of bf16's speed on an H100 (TF32 is off by default), and the head's
+    matmuls are a large share of the update. On CUDA the bf16 product accumulates and is written in fp32
+    (out_dtype), so neither the logits nor the head gradient's chunks are rounded to bf16 (a logit of 20
+    would lose 0.06 there). The CPU has no such kernel: there the product is rounded to the input dtype,
+    then widened. The meta device, which runs no kernel, takes the CUDA path (tests check it there).
     """
-    if a.is_cuda and a.dtype in (torch.bfloat16, torch.float16):
+    if a.device.type in ("cuda", "meta") and a.dtype in (torch.bfloat16, torch.float16):
         return torch.mm(a, b, out_dtype=torch.float32)
-    return a @ b
+    return (a @ b).float()
 
 
 def chunked_logprobs(hidden, weight, targets, temperature=1.0, chunk=1024, entropy=False):

@@ -76,14 +76,34 @@ def test_only_the_adapters_train_and_the_optimizer_holds_only_them(tiny, process
     assert trainable == sum(before[n].numel() for n in adapters) and trainable < total / 10
 
 
-def test_a_reference_pass_first_keeps_the_fp32_gradient_reduction(tiny, process_group):
+def test_a_reference_pass_first_keeps_fp32_gradient_accumulation(tiny, process_group):
+    """FSDP2 fixes how a layer's gradients are accumulated and reduced at the model's first forward; on
+    step 1 that is the reference pass, with the adapters switched off. The adapters' gradients must still
+    add up in fp32 over micro-batches: bf16 compute, two micro-batches reduced once, give exactly the sum
+    of the two micro-batches' own gradients (in bf16 the sum would be rounded)."""
     path, _ = tiny
     model = policy.build(path, process_group, torch.bfloat16, lora=SETTINGS)  # bf16 compute, fp32 adapters
-    with torch.no_grad(), lora.adapters_off(model):  # step 1's first forward: FSDP2 fixes its dtypes here
+    with torch.no_grad(), lora.adapters_off(model):  # step 1's first forward
         model_logprobs(model, batches(0)[0])
-    assert dist.reduce_dtypes(model) == [None, torch.float32, torch.float32]  # the root holds no adapter
-    (-model_logprobs(model, batches(1)[0]).sum()).backward()
-    assert all(p.grad is not None for n, p in model.named_parameters() if ".lora_B." in n)
+    mbs = [batches(1)[0], batches(2)[0]]
+
+    def adapter_grads():
+        return {n: dist.full_tensor(p.grad).clone() for n, p in model.named_parameters() if ".lora_" in n}
+
+    alone = []
+    for mb in mbs:
+        model.zero_grad()
+        (-model_logprobs(model, mb).sum()).backward()
+        alone.append(adapter_grads())
+    model.zero_grad()
+    for i, mb in enumerate(mbs):  # as train.update accumulates: one reduction, after the last micro-batch
+        dist.reduce_gradients(model, reduce_scatter=i == 1, all_reduce=i == 1)
+        (-model_logprobs(model, mb).sum()).backward()
+    together = adapter_grads()
+    assert together and all(g.dtype == torch.float32 for g in together.values())
+    for n, g in together.items():
+        assert torch.equal(g, alone[0][n] + alone[1][n]), n
+    assert any(not torch.equal(g, (alone[0][n].bfloat16() + alone[1][n].bfloat16()).float()) for n, g in together.items())
 
 
 def test_adapters_off_is_the_base_model(tiny, process_group):

@@ -280,3 +280,68 @@ def test_weight_decay_spares_what_the_hugging_face_trainer_spares(arch, process_
     spared = {name[id(p)] for g in opt.param_groups if g["weight_decay"] == 0.0 for p in g["params"]}
     assert decayed == want and spared == set(name.values()) - want
     assert spared  # every architecture here has something to spare
+
+
+class OpRecorder:
+    """Records each aten op's name, input shapes and dtypes, and output shape and dtype."""
+
+    def __init__(self):
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        ops = self.ops = []
+
+        class Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                out = func(*args, **(kwargs or {}))
+                ins = [a for a in args if isinstance(a, torch.Tensor)]
+                if isinstance(out, torch.Tensor):
+                    ops.append((str(func.overloadpacket.__name__), [(tuple(a.shape), a.dtype) for a in ins],
+                                (tuple(out.shape), out.dtype)))
+                return out
+
+        self.mode = Mode()
+
+    def __enter__(self):
+        self.mode.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self.mode.__exit__(*exc)
+
+    def matmul_flops(self):
+        return sum(2 * torch.Size(a).numel() * b[-1] for name, ((a, _), (b, _), *_), _ in
+                   [(n, i, o) for n, i, o in self.ops if n == "mm"])
+
+
+def test_a_frozen_head_costs_no_weight_gradient():
+    """LoRA freezes the head: its backward skips the (V, H) weight gradient, a third of the head's FLOPs."""
+    g = torch.Generator().manual_seed(0)
+    K, H, V = 10, 8, 50
+    hidden, targets = torch.randn(K, H, generator=g), torch.randint(0, V, (K,), generator=g)
+    weight = torch.randn(V, H, generator=g)
+    flops, grads = {}, {}
+    for trainable in (True, False):
+        h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_(trainable)
+        logp, _ = policy.chunked_logprobs(h, w, targets, 0.7, chunk=4)
+        with OpRecorder() as rec:
+            logp.sum().backward()
+        flops[trainable], grads[trainable] = rec.matmul_flops(), h.grad
+        assert (w.grad is not None) is trainable
+    assert flops[False] == 2 * K * H * V * 2 and flops[True] == 2 * K * H * V * 3  # logits again, grad_h (, grad_w)
+    torch.testing.assert_close(grads[False], grads[True], rtol=0, atol=0)
+
+
+def test_head_logits_are_never_rounded_to_bf16():
+    """With bf16 weights on a GPU the head's matmul writes fp32 logits (mm with out_dtype), in the forward
+    and in the backward's recomputation: no logit is rounded to bf16 on its way to the softmax. (The
+    backward's d loss / d logits is cast to bf16 for the gradient matmuls, on purpose.) Checked on the
+    meta device, which takes the CUDA path and runs no kernel."""
+    K, H, V = 6, 8, 40
+    hidden = torch.empty(K, H, dtype=torch.bfloat16, device="meta", requires_grad=True)
+    weight = torch.empty(V, H, dtype=torch.bfloat16, device="meta", requires_grad=True)
+    targets = torch.zeros(K, dtype=torch.long, device="meta")
+    with OpRecorder() as rec:
+        logp, _ = policy.chunked_logprobs(hidden, weight, targets, 0.7, chunk=4, entropy=False)
+        logp.sum().backward()
+    logits = [out for name, _, out in rec.ops if name == "mm" and out[0][-1:] == (V,)]  # (k, V) products
+    assert len(logits) == 4 and all(dtype == torch.float32 for _, dtype in logits), logits  # 2 chunks, twice
