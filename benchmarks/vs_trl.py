@@ -7,11 +7,11 @@
 Identical work on both sides: the same model directory, the same GSM8K prompts (B per step) and
 G completions each, exactly --max-new-tokens tokens per completion (stop tokens ignored on both
 sides), the same three rewards (minigdpo's correct/integer/format functions, wrapped for TRL),
-GDPO on both (TRL: multi_objective_aggregation="normalize_then_sum"), beta 0.04, one iteration,
-one optimizer step per batch, the same micro-batch size, fp32 on the CPU. Everything else is each
-side's default (TRL's include gradient checkpointing; minigdpo shares each prompt's forward pass
-among its G completions). Each side runs in its own process; the script
-alternates them --reps times and reports the median seconds per step (the first step of every
+GDPO on both (TRL: multi_objective_aggregation="normalize_then_sum"), minigdpo's default loss
+normaliser on both (TRL: loss_type="bnpo"), beta 0.04, one iteration, one optimizer step per batch,
+the same micro-batch size, fp32 on the CPU. Everything else is each side's default (TRL's include
+gradient checkpointing; minigdpo shares each prompt's forward pass among its G completions). Each
+side runs in its own process; the script alternates them --reps times and reports the median seconds per step (the first step of every
 run is warm-up and left out), the peak resident memory, and the ratio TRL / minigdpo.
 """
 
@@ -113,7 +113,7 @@ def run_trl(args, model, data):
     config = GRPOConfig(output_dir=tempfile.mkdtemp(prefix="bench-trl-"), per_device_train_batch_size=args.micro_batch_size,
                         gradient_accumulation_steps=args.prompts * args.group // args.micro_batch_size,
                         num_generations=args.group, max_completion_length=args.max_new_tokens, beta=0.04,
-                        multi_objective_aggregation="normalize_then_sum", num_iterations=1, learning_rate=1e-6,
+                        multi_objective_aggregation="normalize_then_sum", loss_type="bnpo", num_iterations=1, learning_rate=1e-6,
                         max_steps=args.steps, logging_steps=1, save_strategy="no", report_to="none", use_cpu=True,
                         temperature=1.0, generation_kwargs={"min_new_tokens": args.max_new_tokens}, seed=42,
                         lr_scheduler_type="constant", disable_tqdm=True)

@@ -210,7 +210,9 @@ def test_checkpoint_loads_with_from_pretrained_and_sync_streams_every_weight(tin
     sampler.load_weights(policy.hf_state(model))
     for name, t in sampler.model.state_dict().items():
         torch.testing.assert_close(t, live[policy.tied_names(model).get(name, name)], rtol=0, atol=0)
-    with pytest.raises(KeyError, match="no parameter 'nope'"):
+    from minigdpo.sampler import WeightSyncError
+
+    with pytest.raises(WeightSyncError, match="sent 'nope', which the sampler's model does not have"):
         sampler.load_weights([("nope", torch.zeros(1))])
 
 
@@ -345,3 +347,34 @@ def test_head_logits_are_never_rounded_to_bf16():
         logp.sum().backward()
     logits = [out for name, _, out in rec.ops if name == "mm" and out[0][-1:] == (V,)]  # (k, V) products
     assert len(logits) == 4 and all(dtype == torch.float32 for _, dtype in logits), logits  # 2 chunks, twice
+
+
+def test_the_optimizer_receives_gradients_clipped_to_max_grad_norm(tiny, process_group):
+    """One update with a tiny --max-grad-norm: the gradients the optimizer steps with have a global norm of
+    at most that value (AdamW's first step would hide their scale, so the gradients are checked, not the
+    weights), while the logged grad_norm is the norm before clipping."""
+    from minigdpo.config import Config
+    from train import update
+
+    model = policy.build(tiny[0], process_group, torch.float32)
+    norms = []
+
+    class Recording:  # stands in for the optimizer: records the global norm of what it would step with
+        param_groups = []
+
+        def zero_grad(self, set_to_none=True):
+            for p in model.parameters():
+                p.grad = None
+
+        def step(self):
+            norms.append(torch.sqrt(sum(p.grad.full_tensor().pow(2).sum() for p in model.parameters()
+                                        if p.grad is not None)).item())
+
+    ps, comps = random_batch(seed=5)
+    adv = torch.randn(len(comps), generator=torch.Generator().manual_seed(3))
+    batches = micro_batches(ps, comps, adv, 4, 257, process_group, G)  # 2 micro-batches
+    cfg = Config(beta=0.0, max_grad_norm=1e-3, max_new_tokens=8, logprob_chunk=64)
+    tokens = sum(mb["mask"].sum() for mb in batches).item()
+    totals = update(model, Recording(), type("S", (), {"step": lambda self: None})(), batches, cfg, tokens, len(comps))
+    assert totals["grad_norm"].item() > 1e-2                 # clipping had work to do
+    assert len(norms) == 1 and norms[0] <= 1e-3 * (1 + 1e-4), norms

@@ -59,6 +59,30 @@ def test_gsm8k_cases(completion, fmt, cor, integer):
     assert (format_reward(completion, ex), correct_reward(completion, ex), integer_reward(completion, ex)) == (fmt, cor, integer)
 
 
+def released_format(completion):
+    """The released GSM8K format rule, as NVlabs/GDPO trl-GDPO/open-r1/src/open_r1/gsm8k.py
+    (format_reward_func) states it: the whole completion is one think block, a newline, one answer block,
+    and it holds exactly one <answer> and one </answer>."""
+    import re
+
+    whole = re.search(r"^<think>.*?</think>\n<answer>.*?</answer>$", completion, re.DOTALL)
+    return 1.0 if whole and completion.count("<answer>") == 1 and completion.count("</answer>") == 1 else 0.0
+
+
+@pytest.mark.parametrize("completion", [
+    "<think>5 + 3 = 8</think>\n<answer>8",                 # cut off at max_new_tokens before the closing tag
+    "<think>5 + 3 = 8</think>\n<answer>8</ans",            # ... inside it
+    "<think>5 + 3 = 8</think>\n<answer>",
+    "<think>5 + 3 = 8</think>\n<ans",
+    "<think>5 + 3 = 8",
+    "<think>5 + 3 = 8</think>\n<answer>8</answer>",         # whole: the one that scores
+    "<think>5 + 3 = 8</think>\n<answer>8</answer>\n",       # a trailing newline: $ allows it
+    "<think>a</think>\n<answer>8</answer><answer>9</answer>",
+])
+def test_format_follows_the_released_rule_on_truncated_completions(completion):
+    assert format_reward(completion, {"answer": "8"}) == released_format(completion)
+
+
 def test_gsm8k_thousands_separators_compare_equal_on_both_sides():
     assert correct_reward("<answer>1080</answer>", {"answer": "1,080"}) == 1.0
     assert correct_reward("<answer>1,080</answer>", {"answer": "1080"}) == 1.0

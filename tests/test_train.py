@@ -22,7 +22,7 @@ def final_weights(out, step):
 @pytest.mark.parametrize("nproc", [1, pytest.param(2, marks=pytest.mark.slow)])
 def test_smoke_run(tmp_path, nproc):
     out = str(tmp_path / "run")
-    proc = run(SMOKE + ["--output-dir", out], nproc=nproc)
+    proc = run(SMOKE + ["--output-dir", out, "--temperature", "0.7"], nproc=nproc)  # as the cpu-demo samples
     rows = read_jsonl(os.path.join(out, "metrics.jsonl"))
     assert [r["step"] for r in rows] == [1, 2]
     for key in ["reward/tests.helpers:digit_frac/mean", "reward/format/std", "adv/distinct_per_group", "loss", "kl",
@@ -32,7 +32,7 @@ def test_smoke_run(tmp_path, nproc):
                 "sampler/logp_gap", "reward/format/errors"]:
         assert key in rows[0], key
     assert rows[0]["grad_norm"] > 0 and rows[0]["adv/distinct_per_group"] > 1  # there was a signal to learn from
-    assert rows[0]["sampler/logp_gap"] < 1e-3       # the sampler and the trainer agree on log-probs
+    assert rows[0]["sampler/logp_gap"] < 1e-3       # the sampler and the trainer agree on log-probs, temperature too
     assert rows[1]["sampler/logp_gap"] < 1e-3       # ... also after the first weight sync
     assert rows[1]["kl"] > 0                        # the policy moved away from the reference
     assert len(read_jsonl(os.path.join(out, "samples.jsonl"))) > 0

@@ -1,0 +1,181 @@
+"""Plant realistic one-line bugs, one at a time, and check that the tests catch each.
+
+    python tests/mutation_check.py             # every mutation (about 20 minutes on 2 cores)
+    python tests/mutation_check.py -k clip     # those whose name contains "clip"
+    python tests/mutation_check.py --list      # the mutations, without running anything
+
+For each mutation the script copies the repository (the files git tracks, as they are in the work tree)
+into a temporary directory, replaces one exact piece of one file (it must occur exactly once), runs the
+test files that cover that code with `pytest -x`, and prints "caught" when they fail and "missed" when
+they all pass. The exit status is 1 if any mutation was missed. pytest does not collect this file (its
+name does not start with test_); the suite itself never runs it.
+"""
+
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@dataclass
+class Mutation:
+    name: str
+    path: str     # file, relative to the repository
+    old: str      # an exact piece of it, which must occur once
+    new: str
+    tests: tuple  # pytest arguments: files, node ids, -k expressions
+
+
+MUTATIONS = [
+    # The three that once passed every test.
+    Mutation("train: the trainer's log-probs at temperature 1 (the sampler still samples at --temperature)",
+             "train.py", 'mb["mask"], cfg.temperature,', 'mb["mask"], 1.0,',
+             ("tests/test_train.py", "-k", "test_smoke_run and 1")),
+    Mutation("policy: gradient clipping computes the norm but does not scale the gradients",
+             "minigdpo/policy.py", "norm = torch.nn.utils.clip_grad_norm_(params, max_norm if max_norm > 0 else math.inf)",
+             "norm = torch.nn.utils.get_total_norm([p.grad for p in params])",
+             ("tests/test_policy.py", "tests/test_lora.py")),
+    Mutation("rewards: the GSM8K format reward closes a completion cut off before </answer>",
+             "rewards/gsm8k.py", "def format_reward(completion, example):\n",
+             'def format_reward(completion, example):\n    completion += "" if "</answer>" in completion else "</answer>"\n',
+             ("tests/test_rewards.py", "tests/test_fuzz.py", "tests/test_tasks.py")),
+    # Advantages.
+    Mutation("advantages: GDPO's batch step (Eq. 6) dropped",
+             "minigdpo/advantages.py", "a = (a_sum - flat.mean()) / (flat.std() + eps)", "a = a_sum",
+             ("tests/test_advantages.py",)),
+    Mutation("advantages: the batch std without Bessel's correction",
+             "minigdpo/advantages.py", "a = (a_sum - flat.mean()) / (flat.std() + eps)",
+             "a = (a_sum - flat.mean()) / (flat.std(unbiased=False) + eps)", ("tests/test_advantages.py",)),
+    Mutation("advantages: the group std without Bessel's correction",
+             "minigdpo/advantages.py", "var = dev.pow(2).sum(dim=1, keepdim=True) / (n - 1).clamp(min=1)",
+             "var = dev.pow(2).sum(dim=1, keepdim=True) / n.clamp(min=1)", ("tests/test_advantages.py",)),
+    Mutation("advantages: GDPO's reward weights (Eq. 7) ignored",
+             "minigdpo/advantages.py", "a_sum = (a_k * w).sum(dim=-1)", "a_sum = a_k.sum(dim=-1)",
+             ("tests/test_advantages.py",)),
+    Mutation("advantages: the eps inside the square root",
+             "minigdpo/advantages.py", "z = dev / (var.sqrt() + eps)", "z = dev / (var + eps).sqrt()",
+             ("tests/test_advantages.py",)),
+    # The loss.
+    Mutation("loss: k1 in place of the k3 KL estimator",
+             "minigdpo/loss.py", "kl = torch.exp(delta) - delta - 1", "kl = -delta", ("tests/test_loss.py",)),
+    Mutation("loss: the clip bounds swapped",
+             "minigdpo/loss.py", "torch.clamp(ratio, 1 - clip_low, 1 + clip_high)",
+             "torch.clamp(ratio, 1 - clip_high, 1 + clip_low)", ("tests/test_loss.py",)),
+    Mutation("loss: max in place of min in the clipped surrogate",
+             "minigdpo/loss.py", "pg = -torch.min(ratio * adv, clipped * adv)", "pg = -torch.max(ratio * adv, clipped * adv)",
+             ("tests/test_loss.py",)),
+    Mutation("loss: token_mean divides by the micro-batch's tokens, not the batch's",
+             "minigdpo/loss.py", "denom = num_tokens if num_tokens is not None else mask.sum().clamp(min=1)",
+             "denom = mask.sum().clamp(min=1)", ("tests/test_loss.py",)),
+    Mutation("loss: bnpo forgets the number of micro-batches",
+             "minigdpo/loss.py", "loss = masked.sum() / mask.sum().clamp(min=1) / num_micro_batches",
+             "loss = masked.sum() / mask.sum().clamp(min=1)", ("tests/test_loss.py",)),
+    # The policy.
+    Mutation("policy: the chunked log-probs ignore the temperature",
+             "minigdpo/policy.py", "            if temperature != 1.0:\n                logits.div_(temperature)\n",
+             "", ("tests/test_policy.py",)),
+    Mutation("policy: the learning-rate warmup off by one step",
+             "minigdpo/policy.py", "return (step + 1) / warmup", "return step / warmup", ("tests/test_policy.py",)),
+    Mutation("policy: weight decay on biases and normalisation weights too",
+             "minigdpo/policy.py", "(no_decay if NO_DECAY.search(name.lower()) or id(p) in in_layernorm else decay)",
+             "decay", ("tests/test_policy.py",)),
+    # The training loop.
+    Mutation("train: padding counted as completion tokens in the mask",
+             "train.py", "mask[row, :n] = torch.tensor(completions[i].token_ids), 1",
+             "mask[row, :] = torch.tensor(completions[i].token_ids), 1", ("tests/test_policy.py",)),
+    Mutation("train: the reference log-probs taken from the policy",
+             "train.py", 'fill_logprobs(ref, batches, "ref_logp", cfg, reshard=True)',
+             'fill_logprobs(model, batches, "ref_logp", cfg)', ("tests/test_train.py", "-k", "test_smoke_run and 1")),
+    Mutation("train: the data cursor not restored on resume",
+             "train.py", 'start, cursor = state["step"], state["cursor"]', 'start, cursor = state["step"], 0',
+             ("tests/test_train.py", "-k", "resume")),
+    # Checkpoints.
+    Mutation("checkpoint: resume takes a step directory without COMPLETE",
+             "minigdpo/checkpoint.py", 'if m and os.path.exists(os.path.join(base, name, "COMPLETE")):', "if m:",
+             ("tests/test_policy.py", "-k", "partial")),
+    Mutation("checkpoint: a checkpoint missing another rank's files marked complete",
+             "minigdpo/checkpoint.py", "            if lacking:\n                raise NotWhole(", "            if False:\n                raise NotWhole(",
+             ("tests/test_cluster.py", "-k", "missing_another")),
+    # The sampler.
+    Mutation("sampler: the HF sampler samples at temperature 1",
+             "minigdpo/sampler.py", "logits = logits / params.temperature", "logits = logits", ("tests/test_policy.py",)),
+    Mutation("sampler: the HF sampler never stops at a stop token",
+             "minigdpo/sampler.py", "stopped = ~done & torch.isin(tok, self.stop_ids)", "stopped = ~done & (tok < 0)",
+             ("tests/test_policy.py",)),
+    # Rewards and config.
+    Mutation("rewards: correct accepts any answer the gold answer contains",
+             "rewards/gsm8k.py", "return 1.0 if _drop_separators(predicted) == _drop_separators(gold) else 0.0",
+             "return 1.0 if predicted in gold else 0.0", ("tests/test_rewards.py",)),
+    Mutation('config: "3.0" accepted as an integer',
+             "minigdpo/config.py", "parser.add_argument(flag, type=f.type, default=None,",
+             "parser.add_argument(flag, type=(lambda x: int(float(x))) if f.type is int else f.type, default=None,",
+             ("tests/test_reliability.py", "-k", "config or booleans")),
+]
+
+
+def tracked_files():
+    out = subprocess.run(["git", "ls-files", "-z"], cwd=ROOT, capture_output=True, text=True, check=True).stdout
+    return [f for f in out.split("\0") if f and os.path.exists(os.path.join(ROOT, f))]
+
+
+def copy_repo(dst):
+    for f in tracked_files():
+        os.makedirs(os.path.dirname(os.path.join(dst, f)) or dst, exist_ok=True)
+        shutil.copy2(os.path.join(ROOT, f), os.path.join(dst, f))
+
+
+def check(m, timeout):
+    """(verdict, seconds): "caught", "missed", or "error: ..." when the mutation does not apply."""
+    with tempfile.TemporaryDirectory(prefix="mutant-") as tmp:
+        copy_repo(tmp)
+        path = os.path.join(tmp, m.path)
+        text = open(path).read()
+        if text.count(m.old) != 1:
+            return f"error: the piece occurs {text.count(m.old)} times in {m.path}", 0.0
+        with open(path, "w") as f:
+            f.write(text.replace(m.old, m.new))
+        env = {**os.environ, "PYTHONPATH": tmp, "PYTHONDONTWRITEBYTECODE": "1"}
+        t0 = time.monotonic()
+        try:
+            proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", *m.tests],
+                                  cwd=tmp, env=env, capture_output=True, text=True, timeout=timeout)
+        except subprocess.TimeoutExpired:
+            return "caught (timed out)", time.monotonic() - t0
+        seconds = time.monotonic() - t0
+        if proc.returncode == 0:
+            return "missed", seconds
+        if proc.returncode in (1,):  # a test failed
+            return "caught", seconds
+        return f"error: pytest exited {proc.returncode}\n{proc.stdout[-1500:]}", seconds
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("-k", default="", help="run only the mutations whose name contains this")
+    parser.add_argument("--list", action="store_true", help="list the mutations and exit")
+    parser.add_argument("--timeout", type=float, default=900, help="seconds per mutation's tests")
+    args = parser.parse_args()
+    chosen = [m for m in MUTATIONS if args.k in m.name]
+    if args.list:
+        print("\n".join(f"{m.name}  [{m.path}; {' '.join(m.tests)}]" for m in chosen))
+        return 0
+    os.environ.setdefault("MINIGDPO_CACHE", tempfile.mkdtemp(prefix="mutant-cache-"))  # tiny-random built once
+    missed = 0
+    for m in chosen:
+        verdict, seconds = check(m, args.timeout)
+        missed += verdict != "caught" and not verdict.startswith("caught")
+        print(f"{verdict.splitlines()[0]:<8} {seconds:6.1f} s  {m.name}", flush=True)
+        if verdict.startswith("error"):
+            print(verdict)
+    print(f"{len(chosen) - missed} of {len(chosen)} caught")
+    return 1 if missed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
