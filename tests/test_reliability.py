@@ -227,7 +227,7 @@ BAD_VALUES = {  # every config field, with a value it must refuse (the test belo
     "vllm_gpu_memory_utilization": 1.0, "tis_cap": 0.5, "logp_gap_warn": 0.0, "length_limit": 0, "length_unit": "chars",
     "answer_format": "latex", "arith_difficulty": 7, "reward_timeout": 0.0, "skip_bad_rows": None, "dtype": "fp8",
     "grad_checkpointing": None, "ref_offload": None, "logprob_chunk": 0, "output_dir": "", "save_every": -1,
-    "keep_checkpoints": 0, "on_save_error": "ignore", "sharding": "zero3", "final_eval": -1, "resume": None, "samples_every": -1, "wandb": None,
+    "keep_checkpoints": 0, "on_save_error": "ignore", "sharding": "zero3", "reduce_grads": "never", "final_eval": -1, "resume": None, "samples_every": -1, "wandb": None,
     # LoRA: a negative rank; at rank 0 (smoke's) any other LoRA flag is refused; see tests/test_lora.py for rank > 0
     "lora_rank": -1, "lora_alpha": float("nan"), "lora_dropout": 1.0, "lora_targets": [], "merge_on_save": True,
 }
