@@ -40,6 +40,7 @@ Shape legend: B prompts, G samples per prompt, R rewards, S = this rank's sequen
 
 import sys
 import time
+import traceback
 
 import torch
 
@@ -188,12 +189,32 @@ def rewards_setup(cfg, task):
     return names, conditions, weights, scorer
 
 
+def release_frames(error):
+    """Let go of the locals of the frames an exception's traceback keeps (run_training's holds the
+    sharded model), along its chain of causes and contexts; the traceback still prints."""
+    todo, seen = [error], set()
+    while todo:
+        e = todo.pop()
+        if e is not None and id(e) not in seen:
+            seen.add(id(e))
+            traceback.clear_frames(e.__traceback__)
+            todo += [e.__cause__, e.__context__]
+
+
 def main(argv=None):
-    """Train; the process group is destroyed on every exit, errors included."""
+    """Train; the process group is destroyed on every exit, errors included, once the training
+    state that holds it is gone (dist.cleanup says why that order matters)."""
     try:
-        run_training(argv)
-    finally:
+        final_eval = run_training(argv)
+    except BaseException as e:
+        release_frames(e)
         dist.cleanup()
+        raise
+    dist.cleanup(together=True)
+    if final_eval is not None:  # after the process group is gone, so no other rank waits on this one
+        import eval as evaluation
+
+        evaluation.after_training(final_eval)
 
 
 def run_training(argv=None):
@@ -349,11 +370,7 @@ def run_training(argv=None):
 
     log.close()
     dist.print0(metrics.start_end_table(log.first, log.recent, reward_names))
-    dist.cleanup(together=True)
-    if cfg.final_eval and rank == 0:  # after the process group is gone, so no other rank waits on this one
-        import eval as evaluation
-
-        evaluation.after_training(cfg)
+    return cfg if cfg.final_eval and rank == 0 else None  # the held-out evaluation main runs on rank 0
 
 
 if __name__ == "__main__":

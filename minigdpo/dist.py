@@ -10,6 +10,7 @@ itself and returns its result there, and a call site can hand it a tensor from a
 """
 
 import datetime
+import gc
 import os
 
 import torch
@@ -70,15 +71,51 @@ def device():
 
 
 def cleanup(together=False):
-    """Destroy the process group. together=True (the end of a run that every rank reached) waits
-    at a barrier first, so that no rank closes its connections while a peer may still be reading
-    the end of the last collective from them. Error paths leave at once: a peer may never arrive."""
+    """Destroy the process group, and make sure it is gone: its worker threads joined and its
+    connections closed before this returns, while the interpreter is still whole. together=True
+    (the end of a run that every rank reached) waits at a barrier first, so that no rank closes
+    its connections while a peer may still be reading the end of the last collective from them.
+    Error paths leave at once: a peer may never arrive.
+
+    The caller must have let go of the sharded model and optimizer first (train.main does): their
+    FSDP2 state and DTensors hold the groups. torch's destroy_process_group only unregisters a
+    gloo group (ProcessGroupGloo has no shutdown(): Backend::shutdown is a no-op); the group
+    lives on until its last Python reference goes, and the device mesh keeps one in its
+    _pg_registry while DTensor's sharding-propagation cache keeps the mesh for the life of the
+    process. A group alive at interpreter exit is a crash left to chance: after each collective,
+    its worker thread drops the work's tensors, and a tensor that has a Python object needs the
+    GIL for that. If Python has begun finalizing, CPython ends the thread with pthread_exit, whose
+    unwinding meets a noexcept destructor: std::terminate, "terminate called without an active
+    exception", SIGABRT. So the mesh lets go of its groups here, and a collection frees what
+    cycles still hold them; the group's destructor then joins its worker threads.
+    """
     global _mesh
-    _mesh = None
+    mesh, _mesh = _mesh, None
     if tdist.is_initialized():
         if together:
             barrier()
         tdist.destroy_process_group()
+    if mesh is not None:
+        getattr(mesh, "_pg_registry", {}).clear()  # the root mesh's: every dimension's and submesh's groups
+    del mesh
+    gc.collect()
+
+
+def group_threads():
+    """Worker threads of process groups still alive in this process (Linux; 0 elsewhere): gloo's
+    pt_gloo_runloop threads. 0 after cleanup() (a test checks it on every exit path)."""
+    try:
+        tasks = os.listdir("/proc/self/task")
+    except OSError:
+        return 0
+    alive = 0
+    for t in tasks:
+        try:
+            with open(f"/proc/self/task/{t}/comm") as f:
+                alive += f.read().strip() == "pt_gloo_runloop"
+        except OSError:
+            pass
+    return alive
 
 
 def is_initialized():
