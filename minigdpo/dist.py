@@ -44,6 +44,11 @@ def init(sharding="auto"):
         kwargs = dict(timeout=datetime.timedelta(minutes=30), device_id=device if backend == "nccl" else None)
         if "RANK" not in os.environ:  # a plain `python train.py`: a group of one, in memory, no port
             kwargs.update(store=tdist.HashStore(), rank=0, world_size=1)
+        # A store barrier at the end of init_process_group (and of each new_group the mesh makes):
+        # gloo's connectFullMesh can return on one rank while a peer still completes its side, and a
+        # rank that then stops at once (a config error found once the world size is known) would
+        # close its connections under that peer, which fails with "Connection closed by peer".
+        os.environ.setdefault("TORCH_DIST_INIT_BARRIER", "1")
         tdist.init_process_group(backend, **kwargs)
     _device = device
     shape = mesh_shape(sharding, world_size(), int(os.environ.get("LOCAL_WORLD_SIZE", world_size())))
