@@ -130,6 +130,12 @@ def main():
     kinds = {"both": ["smoke", "two-node"], "exits": ["config-error", "save-stop", "sigterm"],
              "all": ["smoke", "two-node", "config-error", "save-stop", "sigterm"]}.get(args.kind, [args.kind])
     env = dict(kv.split("=", 1) for kv in args.env)
+
+    def interrupt(signum, frame):  # Ctrl-C or kill (a background job ignores SIGINT): summary, burners gone
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGINT, interrupt)
+    signal.signal(signal.SIGTERM, interrupt)
     hogs = burners(args.busy_procs) if args.busy else []
     tally = {k: {"launches": 0, "abort": 0, "failure": 0, "seconds": 0.0} for k in kinds}
     try:
