@@ -40,6 +40,7 @@ Shape legend: B prompts, G samples per prompt, R rewards, S = this rank's sequen
 
 import sys
 import time
+import traceback
 
 import torch
 
@@ -191,10 +192,26 @@ def rewards_setup(cfg, task):
     return names, conditions, weights, scorer
 
 
+def release_frames(error):
+    """Let go of the locals of the frames an exception's traceback keeps (run_training's holds the
+    sharded model), along its chain of causes and contexts; the traceback still prints."""
+    todo, seen = [error], set()
+    while todo:
+        e = todo.pop()
+        if e is not None and id(e) not in seen:
+            seen.add(id(e))
+            traceback.clear_frames(e.__traceback__)
+            todo += [e.__cause__, e.__context__]
+
+
 def main(argv=None):
-    """Train; the process group is destroyed on every exit, errors included."""
+    """Train; the process group is destroyed on every exit, errors included, once the training
+    state that holds it is gone (dist.cleanup says why that order matters)."""
     try:
         run_training(argv)
+    except BaseException as e:
+        release_frames(e)
+        raise
     finally:
         dist.cleanup()
 
@@ -356,7 +373,7 @@ def run_training(argv=None):
         import eval as evaluation
 
         evaluation.after_training(cfg, sampler, tokenizer)
-    dist.cleanup(together=True)
+    dist.barrier()  # every rank got here: main's cleanup may close the connections
 
 
 if __name__ == "__main__":

@@ -10,6 +10,7 @@ itself and returns its result there, and a call site can hand it a tensor from a
 """
 
 import datetime
+import gc
 import os
 
 import torch
@@ -44,6 +45,11 @@ def init(sharding="auto"):
         kwargs = dict(timeout=TIMEOUT, device_id=device if backend == "nccl" else None)
         if "RANK" not in os.environ:  # a plain `python train.py`: a group of one, in memory, no port
             kwargs.update(store=tdist.HashStore(), rank=0, world_size=1)
+        # A store barrier at the end of init_process_group (and of each new_group the mesh makes):
+        # gloo's connectFullMesh can return on one rank while a peer still completes its side, and a
+        # rank that then stops at once (a config error found once the world size is known) would
+        # close its connections under that peer, which fails with "Connection closed by peer".
+        os.environ.setdefault("TORCH_DIST_INIT_BARRIER", "1")
         tdist.init_process_group(backend, **kwargs)
     _device = device
     shape = mesh_shape(sharding, world_size(), int(os.environ.get("LOCAL_WORLD_SIZE", world_size())))
@@ -80,16 +86,49 @@ def device():
     return _device if _device is not None else torch.device("cpu")
 
 
-def cleanup(together=False):
-    """Destroy the process group. together=True (the end of a run that every rank reached) waits
-    at a barrier first, so that no rank closes its connections while a peer may still be reading
-    the end of the last collective from them. Error paths leave at once: a peer may never arrive."""
+def cleanup():
+    """Destroy the process group, and make sure it is gone: its worker threads joined and its
+    connections closed before this returns, while the interpreter is still whole. A run that every
+    rank finished meets at a barrier first (train.py), so that no rank closes its connections while
+    a peer may still be reading the end of the last collective from them; error paths leave at once.
+
+    The caller must have let go of the sharded model and optimizer first (train.main does): their
+    FSDP2 state and DTensors hold the groups. torch's destroy_process_group only unregisters a
+    gloo group (ProcessGroupGloo has no shutdown(): Backend::shutdown is a no-op); the group
+    lives on until its last Python reference goes, and the device mesh keeps one in its
+    _pg_registry while DTensor's sharding-propagation cache keeps the mesh for the life of the
+    process. A group alive at interpreter exit is a crash left to chance: after each collective,
+    its worker thread drops the work's tensors, and a tensor that has a Python object needs the
+    GIL for that. If Python has begun finalizing, CPython ends the thread with pthread_exit, whose
+    unwinding meets a noexcept destructor: std::terminate, "terminate called without an active
+    exception", SIGABRT. So the mesh lets go of its groups here, and a collection frees what
+    cycles still hold them; the group's destructor then joins its worker threads.
+    """
     global _mesh
-    _mesh = None
+    mesh, _mesh = _mesh, None
     if tdist.is_initialized():
-        if together:
-            barrier()
         tdist.destroy_process_group()
+    if mesh is not None:
+        getattr(mesh, "_pg_registry", {}).clear()  # the root mesh's: every dimension's and submesh's groups
+    del mesh
+    gc.collect()
+
+
+def group_threads():
+    """Worker threads of process groups still alive in this process (Linux; 0 elsewhere): gloo's
+    pt_gloo_runloop threads. 0 after cleanup() (a test checks it on every exit path)."""
+    try:
+        tasks = os.listdir("/proc/self/task")
+    except OSError:
+        return 0
+    alive = 0
+    for t in tasks:
+        try:
+            with open(f"/proc/self/task/{t}/comm") as f:
+                alive += f.read().strip() == "pt_gloo_runloop"
+        except OSError:
+            pass
+    return alive
 
 
 def is_initialized():

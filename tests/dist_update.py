@@ -55,10 +55,10 @@ def main(out, agg, sharding, adapters=None):
     params = {name: t.clone() for name, t in policy.hf_state(model)}
     if dist.is_main():
         torch.save({"params": params, "stats": stats, "mesh": tuple(dist.mesh().shape)}, out)
-    dist.cleanup()
 
 
 if __name__ == "__main__":
     adapters = lora.Settings(4, 8.0, 0.0, ("q_proj", "v_proj", "down_proj")) if sys.argv[4:] == ["lora"] else None
     main(sys.argv[1], sys.argv[2] if len(sys.argv) > 2 else "token_mean", sys.argv[3] if len(sys.argv) > 3 else "auto",
          adapters)
+    dist.cleanup()  # once main's sharded models are gone: they hold the group

@@ -38,8 +38,8 @@ def main(out, sharding):
     if dist.rank() == 0:
         with open(out, "w") as f:
             json.dump(reports, f)
-    dist.cleanup()
 
 
 if __name__ == "__main__":
     main(*sys.argv[1:])
+    dist.cleanup()  # once main's sharded model is gone: it holds the group

@@ -75,8 +75,9 @@ def main(out, sharding):
     if dist.is_main():
         with open(out, "w") as f:
             json.dump(result, f)
-    dist.cleanup(together=True)
+    dist.barrier()
 
 
 if __name__ == "__main__":
     main(*sys.argv[1:])
+    dist.cleanup()  # once main's sharded models are gone: they hold the group

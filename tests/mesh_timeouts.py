@@ -32,4 +32,5 @@ if __name__ == "__main__":
                     + [f"{name}={minutes(mesh.get_group(name)):g}" for name in mesh.mesh_dim_names])
     if dist.rank() == 0:
         print(line, flush=True)
-    dist.cleanup(together=True)
+    dist.barrier()
+    dist.cleanup()

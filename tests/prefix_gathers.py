@@ -39,8 +39,8 @@ def main(out):
     if dist.rank() == 0:
         with open(out, "w") as f:
             json.dump(result, f)
-    dist.cleanup()
 
 
 if __name__ == "__main__":
     main(sys.argv[1])
+    dist.cleanup()  # once main's sharded models are gone: they hold the group

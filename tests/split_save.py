@@ -31,8 +31,9 @@ def main(root):
         line = f"error: {e}"
     sys.stdout.write(f"rank {dist.rank()}: {line}\n")  # one write: the ranks share the pipe
     sys.stdout.flush()
-    dist.cleanup()
+    dist.barrier()
 
 
 if __name__ == "__main__":
     main(sys.argv[1])
+    dist.cleanup()  # once main's sharded model is gone: it holds the group

@@ -263,24 +263,29 @@ def test_bf16_on_two_ranks_trains_saves_and_resumes(tmp_path):
 
 CLEANUP_CHECK = r"""
 import sys, torch.distributed, train
+from minigdpo import dist
 try:
     train.main(sys.argv[1:])
 except (SystemExit, Exception) as e:
     sys.stdout.write(f"exited: {type(e).__name__}\n")
-sys.stdout.write(f"group alive: {torch.distributed.is_initialized()}\n")  # one write: ranks share the pipe
+# One write: ranks share the pipe. The group's worker threads must be gone too: one alive at
+# interpreter exit can abort the process (dist.cleanup says how).
+sys.stdout.write(f"group alive: {torch.distributed.is_initialized()}, worker threads: {dist.group_threads()}\n")
 """
 
 
 @pytest.mark.parametrize("nproc,flags,fault", [
+    (2, ["--max-steps", "2"], None),             # the normal end
     (2, ["--batch-size", "12"], None),           # a config error found once the world size is known
     (1, ["--save-every", "1"], "enospc@1"),      # a failed save that stops the run
+    (2, ["--save-every", "1"], "enospc@1"),      # the same on 2 ranks (rank 0's save fails)
 ])
-def test_error_exits_destroy_the_process_group(tmp_path, nproc, flags, fault):
+def test_every_exit_destroys_the_process_group_and_its_threads(tmp_path, nproc, flags, fault):
     script = tmp_path / "check.py"
     script.write_text(CLEANUP_CHECK)
     args = [str(script)] + SMOKE + ["--output-dir", str(tmp_path / "run")] + flags
     proc = run(args, nproc=nproc, env={"PYTHONPATH": ROOT, **({"MINIGDPO_FAULT": fault} if fault else {})}, check=False)
-    assert proc.stdout.count("group alive: False") == nproc, proc.stdout + proc.stderr[:3000]
+    assert proc.stdout.count("group alive: False, worker threads: 0") == nproc, proc.stdout + proc.stderr[:3000]
 
 
 def test_ref_offload_works_without_an_accelerator(tmp_path):

@@ -205,7 +205,6 @@ def mini(work):
     ref = policy.build(os.path.join(work, "ref"), device, torch.float32, frozen=True)
     for case in CASES:
         mini_step(work, *case, model, ref)
-    dist.cleanup()
 
 
 if __name__ == "__main__":
@@ -216,3 +215,7 @@ if __name__ == "__main__":
     torch.set_num_threads(2)
     part, work = sys.argv[1:]
     {"fixtures": fixtures, "trl": trl, "mini": mini}[part](work)
+    if part == "mini":
+        from minigdpo import dist
+
+        dist.cleanup()  # once mini's sharded models are gone: they hold the group
