@@ -12,6 +12,8 @@ tiny random model, checkpoint every step, about 10 s on 2 idle cores):
   config-error  2 ranks, --batch-size 12 (refused once the world size is known): exits 1, rank says "error:"
   save-stop     2 ranks, rank 1's checkpoint write fails at step 2 (MINIGDPO_FAULT=enospc@2): exits 1
   sigterm       2 ranks, SIGTERM to torchrun once step 1 is logged: exits non-zero, nothing hangs
+  export        2 ranks, tests/gather_main.py (build a sharded model, gather it for the export, exit: no
+                training), the test that aborted this way twice in one full run of the suite under load
   exits         config-error, save-stop and sigterm; both: smoke and two-node
 
 A launch is an abort when a rank died of SIGABRT: its stderr holds "terminate called", "Aborted",
@@ -78,6 +80,11 @@ def run_once(kind, tmp, args, env):
         procs = start([(torchrun(2, i, 1, p, train_args(args.steps, out)), tmp) for i in range(2)], env)
         codes, outs, errs = finish(procs, t0, args.timeout)
         return codes, time.monotonic() - t0, outs, errs, lambda c: c == 0
+    if kind == "export":
+        procs = start([(torchrun(1, 0, 2, port(), [os.path.join(ROOT, "tests", "gather_main.py"),
+                                                  os.path.join(tmp, "gather.json"), "fsdp"]), ROOT)], env)
+        codes, outs, errs = finish(procs, t0, args.timeout)
+        return codes, time.monotonic() - t0, outs, errs, lambda c: c == 0
     extra, env = [], dict(env)
     if kind == "config-error":
         extra = ["--batch-size", "12"]
@@ -119,7 +126,8 @@ def burners(n):
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--kind", default="both",
-                        choices=["smoke", "two-node", "both", "config-error", "save-stop", "sigterm", "exits", "all"])
+                        choices=["smoke", "two-node", "both", "export", "config-error", "save-stop", "sigterm", "exits",
+                                 "all"])
     parser.add_argument("-n", type=int, default=20, help="launches of each kind")
     parser.add_argument("--busy", action="store_true", help="run CPU-burning processes beside the launches")
     parser.add_argument("--busy-procs", type=int, default=os.cpu_count(), help="how many (default: one per core)")
@@ -128,7 +136,7 @@ def main():
     parser.add_argument("--env", action="append", default=[], metavar="KEY=VALUE", help="for the ranks")
     args = parser.parse_args()
     kinds = {"both": ["smoke", "two-node"], "exits": ["config-error", "save-stop", "sigterm"],
-             "all": ["smoke", "two-node", "config-error", "save-stop", "sigterm"]}.get(args.kind, [args.kind])
+             "all": ["smoke", "two-node", "export", "config-error", "save-stop", "sigterm"]}.get(args.kind, [args.kind])
     env = dict(kv.split("=", 1) for kv in args.env)
 
     def interrupt(signum, frame):  # Ctrl-C or kill (a background job ignores SIGINT): summary, burners gone
