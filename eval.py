@@ -49,7 +49,7 @@ import torch
 
 from minigdpo import checkpoint, data, dist, lora, policy
 from minigdpo.config import Config
-from minigdpo.rewards import RewardScorer
+from rewards import RewardScorer, encode_prompt, load_task
 from minigdpo.sampler import SamplingParams, SamplerUnavailable, make_sampler, resolve_kind
 
 # task -> (reward that means "solved" and its threshold, reward that means "well formatted")
@@ -255,7 +255,7 @@ def evaluate(sampler, tokenizer, label, args, examples, names, out_file):
     t0 = time.perf_counter()
     for s in range(0, len(mine), args.batch_size):
         batch = mine[s:s + args.batch_size]
-        prompts = [data.encode_prompt(tokenizer, ex["messages"], args.max_prompt_len) for ex in batch]
+        prompts = [encode_prompt(tokenizer, ex["messages"], args.max_prompt_len) for ex in batch]
         completions = [c for group in sampler.generate(prompts, args.n, params) for c in group]
         rewards, _ = scorer([c.text for c in completions], [ex for ex in batch for _ in range(args.n)],
                             [len(c.token_ids) for c in completions])
@@ -343,7 +343,7 @@ def main(argv=None, sampler=None, tokenizer=None, source=None):
     process group, so that every rank takes a slice of the prompts and no second vLLM engine is built."""
     args = parse_args(argv)
     extra = {"length_limit": args.length_limit, "length_unit": args.length_unit, "answer_format": args.answer_format}
-    task = data.load_task(args.task, args.data, args.split, False, args.arith_difficulty, extra)
+    task = load_task(args.task, args.data, args.split, False, {"arith_difficulty": args.arith_difficulty}, extra)
     examples = task.examples[:args.limit] if args.limit else task.examples
     names = [r for r in args.rewards.split(",") if r] or task.rewards
     out_dir = args.output or os.path.join("runs", "eval", args.task)

@@ -48,7 +48,7 @@ from minigdpo import checkpoint, config, data, dist, lora, metrics, policy
 from minigdpo.advantages import ESTIMATORS, Condition, apply_conditions
 from minigdpo.collapse import distinct_per_group
 from minigdpo.loss import policy_loss
-from minigdpo.rewards import RewardScorer
+from rewards import PromptOrder, RewardScorer, encode_prompt, load_task
 from minigdpo.sampler import SamplingParams, SamplerUnavailable, left_pad, make_sampler, resolve_kind
 
 
@@ -220,7 +220,7 @@ def run_training(argv=None):
     cfg = config.parse_args(argv, __doc__)
     config.validate(cfg)  # before anything heavy: a bad value costs no model load
     extra = {"length_limit": cfg.length_limit, "length_unit": cfg.length_unit, "answer_format": cfg.answer_format}
-    task = data.load_task(cfg.task, cfg.data, "train", cfg.skip_bad_rows, cfg.arith_difficulty, extra)
+    task = load_task(cfg.task, cfg.data, "train", cfg.skip_bad_rows, {"arith_difficulty": cfg.arith_difficulty}, extra)
     reward_names, conditions, weights, scorer = rewards_setup(cfg, task)
     config.check_sampler(cfg, resolve_kind(cfg.sampler))  # a missing vLLM or GPU, or settings vLLM cannot honour
     # Built-in models are built before the process group exists: with one, transformers saves on rank 0 only.
@@ -270,7 +270,7 @@ def run_training(argv=None):
             sampler.load_weights(policy.hf_state(model, dtype))
             dist.print0(f"resumed from {last} at step {start}")
 
-    order = data.PromptOrder(len(task.examples), cfg.seed)
+    order = PromptOrder(len(task.examples), cfg.seed)
     log = metrics.Logger(cfg.output_dir, derived.total_steps, start, run, cfg.wandb)
     params = SamplingParams(cfg.temperature, cfg.top_p, cfg.max_new_tokens, ignore_eos=cfg.ignore_eos)
     B, G, R, rank = derived.prompts_per_step, cfg.group_size, len(reward_names), dist.rank()
@@ -281,7 +281,7 @@ def run_training(argv=None):
         batch_idx = order.take(cursor, B)[rank * derived.prompts_per_rank:(rank + 1) * derived.prompts_per_rank]
         cursor += B
         examples = [task.examples[i] for i in batch_idx]
-        prompts = [data.encode_prompt(tokenizer, ex["messages"], cfg.max_prompt_len) for ex in examples]
+        prompts = [encode_prompt(tokenizer, ex["messages"], cfg.max_prompt_len) for ex in examples]
 
         # 2. Sample G completions per prompt.
         t0 = time.perf_counter()

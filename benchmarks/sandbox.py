@@ -14,8 +14,10 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from minigdpo.code_problems import PROBLEMS  # noqa: E402
-from minigdpo.sandbox import SandboxPool, _describe, run_python  # noqa: E402
+from rewards.code import problems  # noqa: E402
+from rewards.sandbox import SandboxPool, _describe, run_python  # noqa: E402
+
+PROBLEMS = problems()
 
 
 def main():

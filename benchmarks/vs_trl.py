@@ -54,7 +54,7 @@ def model_dir(kind):
 
 def prompts_file(n, out):
     """The first n GSM8K questions (or arith problems offline without the shared data) as jsonl."""
-    from minigdpo.data import arith_examples
+    from rewards.arith import generate
 
     with open(out, "w") as f:
         if os.path.exists(GSM8K):
@@ -62,7 +62,7 @@ def prompts_file(n, out):
                 for _, line in zip(range(n), src):
                     f.write(line)
         else:
-            for ex in arith_examples(2, count=n):
+            for ex in generate(2, count=n):
                 f.write(json.dumps({"question": ex["messages"][-1]["content"], "answer": f"#### {ex['answer']}"}) + "\n")
     return out
 
@@ -86,8 +86,7 @@ def run_trl(args, model, data):
     from transformers import TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
-    from minigdpo.data import load_task
-    from minigdpo.rewards import get
+    from rewards import get, load_task
 
     examples = load_task("gsm8k", data).examples
     dataset = Dataset.from_list([{"prompt": ex["messages"], "answer": ex["answer"]} for ex in examples])

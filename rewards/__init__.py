@@ -1,12 +1,264 @@
-"""Built-in rewards, one file per task. Importing this package registers them all.
+"""Tasks and their rewards: what the trainer asks, and how each answer is scored.
 
-| file        | rewards                          | task              |
-|-------------|----------------------------------|-------------------|
-| gsm8k.py    | format, correct, integer         | gsm8k, arith      |
-| length.py   | length_ok                        | any (with --condition) |
-| toolcall.py | tool_format, tool_correct        | toolcall          |
-| math_length.py | (answer checking for correct) | math_length       |
-| code.py     | pass, no_bug                     | code              |
+A task (one file here) turns data rows into examples: a dict with `messages` (the chat prompt) and
+the ground truth under the keys its rewards read. A reward is a plain function
+`fn(completion: str, example: dict) -> float | None`; None means it does not apply to that sample.
+`example` also carries `completion_tokens`, the completion's length in tokens.
+
+| task        | file           | default rewards          | data                                                  |
+|-------------|----------------|--------------------------|-------------------------------------------------------|
+| gsm8k       | gsm8k.py       | correct, integer, format | question/answer rows (GSM8K's jsonl) or openai/gsm8k  |
+| arith       | arith.py       | correct, integer, format | built in: integer word problems (or gsm8k-style rows) |
+| toolcall    | toolcall.py    | tool_format, tool_correct| ToolRL's rows or its SFT file (--data)                |
+| math_length | math_length.py | correct, length_ok       | problem/answer rows; DeepScaleR on the hub            |
+| code        | code.py        | pass, length_ok, no_bug  | built in: code_problems.jsonl (24 problems), or rows  |
+
+Built-in rewards and tasks are registered here, in one place, by name; `get("module:function")`
+also loads a user's own reward, and `register` adds one under a name.
+
+The scorer never lets a reward crash training. A reward that raises, runs past its time limit, or
+returns something that is not a finite number counts as None (NaN in the tensor, so the
+estimators leave it out), is counted in the metrics, and is warned about once.
 """
 
-from rewards import code, gsm8k, length, math_length, toolcall  # noqa: F401  (registration side effects)
+import importlib
+import math
+import numbers
+import random
+import signal
+import sys
+import threading
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+import torch
+
+from minigdpo.data import DataError
+
+TASKS = {"gsm8k": "rewards.gsm8k", "arith": "rewards.arith", "toolcall": "rewards.toolcall",
+         "math_length": "rewards.math_length", "code": "rewards.code"}
+BUILTIN = {"format": "rewards.gsm8k:format_reward", "correct": "rewards.gsm8k:correct_reward",
+           "integer": "rewards.gsm8k:integer_reward", "length_ok": "rewards.length:length_ok",
+           "tool_format": "rewards.toolcall:tool_format", "tool_format_strict": "rewards.toolcall:tool_format_strict",
+           "tool_correct": "rewards.toolcall:tool_correct", "pass": "rewards.code:pass_reward",
+           "no_bug": "rewards.code:no_bug_reward"}
+
+
+# Tasks -----------------------------------------------------------------------------------------
+
+@dataclass
+class Task:
+    name: str
+    examples: list
+    rewards: list               # the task's default rewards
+    skipped: int = 0            # malformed rows skipped with skip_bad
+    extra: dict = field(default_factory=dict)  # keys added to every example (length limits, answer format)
+
+
+def load_task(name, data="", split="train", skip_bad=False, settings=None, extra=None):
+    """The examples of task `name`, with its default rewards and `extra` keys on every example.
+
+    data: a local .jsonl/.json/.parquet file or a hub dataset ("" for the task's own); settings: what
+    a task's own data depends on (arith_difficulty, answer_format)."""
+    if name not in TASKS:
+        raise DataError(f"unknown task {name!r}; choose from {', '.join(TASKS)}")
+    task = importlib.import_module(TASKS[name])
+    examples, skipped = task.examples(data, split, skip_bad, {**(extra or {}), **(settings or {})})
+    extra = dict(extra or {})
+    return Task(name, [{**ex, **extra} for ex in examples], list(task.REWARDS), skipped, extra)
+
+
+def encode_prompt(tokenizer, messages, max_len):
+    """Chat template with the generation prompt, cut from the left to max_len tokens."""
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    return tokenizer(text, add_special_tokens=False).input_ids[-max_len:]
+
+
+class PromptOrder:
+    """A seeded, endless order over prompt indices: one shuffle per epoch.
+
+    take(cursor, count) gives the indices at positions [cursor, cursor + count). The order is a pure
+    function of (seed, number of prompts), so resuming only needs the cursor, and a run resumed with
+    another world size continues the same sequence.
+    """
+
+    def __init__(self, num_prompts, seed):
+        self.n, self.seed = num_prompts, seed
+        self._epoch, self._perm = None, None
+
+    def _permutation(self, epoch):
+        if epoch != self._epoch:
+            self._perm = list(range(self.n))
+            random.Random(self.seed * 1_000_003 + epoch).shuffle(self._perm)
+            self._epoch = epoch
+        return self._perm
+
+    def take(self, cursor, count):
+        return [self._permutation(p // self.n)[p % self.n] for p in range(cursor, cursor + count)]
+
+
+# The registry ----------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Reward:
+    name: str
+    fn: Callable
+    prepare: Optional[Callable] = None  # a batch hook, prepare(completions, examples), run before fn
+
+
+_REGISTRY = {}  # names added with register()
+
+
+def register(name):
+    """Decorator: register `fn(completion, example)` under `name` (a name no built-in reward has)."""
+
+    def wrap(fn):
+        if name in BUILTIN or (name in _REGISTRY and _REGISTRY[name].fn is not fn):
+            raise ValueError(f"reward {name!r} is already registered")
+        _REGISTRY[name] = Reward(name, fn, getattr(fn, "prepare", None))
+        return fn
+
+    return wrap
+
+
+def get(name):
+    """The Reward registered as `name`, or a user's function given as `module.path:function`."""
+    if name in _REGISTRY:
+        return _REGISTRY[name]
+    if ":" not in name and name not in BUILTIN:
+        raise ValueError(f"unknown reward {name!r}; registered: {', '.join(names())}")
+    module, _, attr = BUILTIN.get(name, name).partition(":")
+    try:
+        fn = getattr(importlib.import_module(module), attr)
+    except (ImportError, AttributeError) as e:
+        raise ValueError(f"cannot load reward {name!r}: {e}") from None
+    return Reward(name, fn, getattr(fn, "prepare", None))
+
+
+def names():
+    return sorted(set(BUILTIN) | set(_REGISTRY))
+
+
+# The scorer ------------------------------------------------------------------------------------
+
+class RewardTimeout(BaseException):
+    """Raised inside a reward that runs too long. A BaseException, so `except Exception` in
+    reward code cannot swallow it."""
+
+
+@contextmanager
+def _alarm_handler():
+    """Install a SIGALRM handler for the duration of a batch (main thread on POSIX only)."""
+    if not hasattr(signal, "setitimer") or threading.current_thread() is not threading.main_thread():
+        yield False
+        return
+
+    def on_alarm(signum, frame):
+        raise RewardTimeout
+
+    previous = signal.signal(signal.SIGALRM, on_alarm)
+    try:
+        yield True
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+class InvalidReward(ValueError):
+    """A reward returned something that is not a finite number or None."""
+
+
+def _as_float(value):
+    """A finite float, or None for "does not apply"; raises InvalidReward otherwise."""
+    if value is None:
+        return None
+    if isinstance(value, torch.Tensor) and value.numel() == 1:
+        value = value.item()
+    if not isinstance(value, numbers.Real):
+        raise InvalidReward(f"returned {type(value).__name__}, not a number")
+    value = float(value)
+    if not math.isfinite(value):
+        raise InvalidReward(f"returned {value}")
+    return value
+
+
+class RewardScorer:
+    """Scores a batch of completions with a fixed list of rewards.
+
+    scorer = RewardScorer(["format", "correct"], timeout=10.0)
+    rewards, stats = scorer(completions, examples, completion_tokens)
+    # rewards (N, R) float64, NaN where a reward gave None or failed
+    # stats[name] = {"errors", "timeouts", "invalid", "none": counts, "seconds": time spent}
+
+    `timeout` bounds each call (seconds, None for no limit). Once a reward has timed out
+    `max_timeouts` times in one batch, its remaining samples in that batch are skipped as
+    None, so a reward that always hangs costs at most timeout * max_timeouts per step.
+    """
+
+    KINDS = ("errors", "timeouts", "invalid", "none")
+
+    def __init__(self, reward_names, timeout=10.0, max_timeouts=3):
+        self.rewards = [get(n) for n in reward_names]
+        self.names = list(reward_names)
+        self.timeout = timeout
+        self.max_timeouts = max_timeouts
+        self._warned = set()
+
+    def _warn(self, name, kind, detail):
+        if (name, kind) not in self._warned:
+            self._warned.add((name, kind))
+            print(f"warning: reward {name!r} {detail}; counted as None (shown once per reward)", file=sys.stderr)
+
+    def _call(self, reward, completion, example, can_time_out):
+        """One reward on one sample -> (kind, value), kind "ok" or one of KINDS."""
+        arm = can_time_out and bool(self.timeout)
+        try:
+            if arm:
+                signal.setitimer(signal.ITIMER_REAL, self.timeout)
+            try:
+                value = reward.fn(completion, example)
+            finally:
+                if arm:
+                    signal.setitimer(signal.ITIMER_REAL, 0)
+            value = _as_float(value)
+        except RewardTimeout:
+            self._warn(reward.name, "timeouts", f"ran past its {self.timeout:g} s limit")
+            return "timeouts", None
+        except InvalidReward as e:
+            self._warn(reward.name, "invalid", str(e))
+            return "invalid", None
+        except Exception as e:
+            self._warn(reward.name, "errors", f"raised {type(e).__name__}: {e}")
+            return "errors", None
+        return ("none", None) if value is None else ("ok", value)
+
+    def __call__(self, completions, examples, completion_tokens=None):
+        N, R = len(completions), len(self.rewards)
+        if len(examples) != N:
+            raise ValueError(f"{N} completions but {len(examples)} examples")
+        if completion_tokens is not None:
+            examples = [{**ex, "completion_tokens": int(n)} for ex, n in zip(examples, completion_tokens)]
+        out = torch.full((N, R), math.nan, dtype=torch.float64)    # (N, R)
+        stats = {name: dict.fromkeys(self.KINDS, 0) for name in self.names}
+        with _alarm_handler() as can_time_out:
+            for k, reward in enumerate(self.rewards):
+                t0 = time.perf_counter()
+                s = stats[reward.name]
+                if reward.prepare is not None:
+                    try:
+                        reward.prepare(completions, examples)
+                    except Exception as e:  # the per-sample calls still run without the batch cache
+                        self._warn(reward.name, "prepare", f"batch hook raised {type(e).__name__}: {e}")
+                for i in range(N):
+                    if s["timeouts"] >= self.max_timeouts:
+                        s["timeouts"] += 1
+                        continue
+                    kind, value = self._call(reward, completions[i], examples[i], can_time_out)
+                    if kind == "ok":
+                        out[i, k] = value
+                    else:
+                        s[kind] += 1
+                s["seconds"] = time.perf_counter() - t0
+        return out, stats

@@ -1,4 +1,9 @@
-"""Code rewards, run in the sandbox (minigdpo/sandbox.py). The paper's code setting has 3 rewards.
+"""The code task: Python problems with stdin/stdout tests, scored in the sandbox (rewards/sandbox.py).
+The paper's code setting has 3 rewards.
+
+Rows: `question` (or `problem`, `prompt`) with `tests`, or APPS-style `input_output`. Without --data
+the task uses the 24 built-in problems of code_problems.jsonl (each with a reference solution that the
+tests check scores 1 in the sandbox, and three tests whose outputs that solution produced).
 
 The example's `tests` is a list of {"input": stdin, "output": expected stdout} pairs (or
 {"assert": "assert f(2) == 4"}). The program is the last fenced ```python block of the
@@ -14,11 +19,16 @@ Scoring a batch runs all its programs at once on a bounded pool (the `prepare` h
 caches the reports, so `pass` and `no_bug` share one run per program.
 """
 
+import json
+import os
 import re
 from collections import OrderedDict
 
-from minigdpo.rewards import register
-from minigdpo.sandbox import Limits, SandboxPool, job_key, run_tests
+from minigdpo.data import first_field, load_rows, nonempty, read_rows
+from rewards.sandbox import Limits, SandboxPool, job_key, run_tests
+
+REWARDS = ["pass", "length_ok", "no_bug"]
+PROBLEMS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "code_problems.jsonl")
 
 SYSTEM_PROMPT = ("You are a careful Python programmer. Write a complete Python 3 program that reads the input from "
                  "standard input and prints the answer to standard output. Reply with the program in one ```python "
@@ -29,6 +39,34 @@ LIMITS = Limits(timeout=10.0, cpu_seconds=5, memory_mb=1024)
 _CACHE = OrderedDict()
 _CACHE_SIZE = 4096
 _POOL = None
+
+
+def to_example(row, settings=None):
+    question = nonempty(first_field(row, "question", "problem", "prompt"), "question")
+    tests = row.get("tests")
+    if tests is None and "input_output" in row:  # APPS / TACO style
+        io = json.loads(row["input_output"]) if isinstance(row["input_output"], str) else row["input_output"]
+        tests = [{"input": i, "output": o} for i, o in zip(io["inputs"], io["outputs"])]
+    if isinstance(tests, str):
+        tests = json.loads(tests)
+    if not isinstance(tests, list) or not tests:
+        raise ValueError("field 'tests' must be a non-empty list")
+    for t in tests:
+        if not isinstance(t, dict) or not (isinstance(t.get("assert"), str) or
+                                           (isinstance(t.get("input", ""), str) and isinstance(t.get("output"), str))):
+            raise ValueError('each test must be {"input": str, "output": str} or {"assert": str}')
+    return {"messages": [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": question}],
+            "tests": tests}
+
+
+def problems():
+    """The built-in problems as rows: name, question, a reference solution, tests."""
+    return [row for _, row in read_rows(PROBLEMS)[0]]
+
+
+def examples(data, split, skip_bad, settings):
+    """The rows of --data, or the built-in problems (both training and evaluation, offline)."""
+    return load_rows(data or PROBLEMS, split, to_example, settings, skip_bad)
 
 
 def extract_program(completion):
@@ -69,13 +107,14 @@ def report_for(completion, example):
     return _CACHE[key]
 
 
-@register("pass", low=0.0, high=1.0, prepare=prepare)
 def pass_reward(completion, example):
     report = report_for(completion, example)
     return None if report is None else report.pass_fraction
 
 
-@register("no_bug", low=0.0, high=1.0, prepare=prepare)
 def no_bug_reward(completion, example):
     report = report_for(completion, example)
     return None if report is None else float(not report.error)
+
+
+pass_reward.prepare = no_bug_reward.prepare = prepare  # the scorer runs it once per batch, before the calls

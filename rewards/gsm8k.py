@@ -1,4 +1,6 @@
-"""GSM8K rewards with the semantics of the paper's released GSM8K recipe (3 rewards).
+"""The GSM8K task: prompts from question/answer rows, and the paper's released GSM8K rewards (3 of them).
+
+Rows: GSM8K's jsonl (`question`, and `answer` ending in "#### 72"), or the hub's openai/gsm8k.
 
 The completion is asked to look like
 
@@ -20,8 +22,11 @@ the same digits without them, on both sides; every other input scores as release
 
 import re
 
-from minigdpo.rewards import register
-from rewards.math_length import final_answer, math_equal
+from minigdpo.data import load_rows, nonempty
+from rewards.math_length import answer_from_solution, final_answer, math_equal
+
+REWARDS = ["correct", "integer", "format"]
+DATA = "openai/gsm8k:main"
 
 SYSTEM_PROMPT = """You are a careful math assistant.
 Work through the problem step by step, then give the final answer as a plain integer.
@@ -38,24 +43,26 @@ def extract_answer(completion):
     return completion.split("<answer>")[-1].split("</answer>")[0].strip()
 
 
-def answer_from_solution(solution):
-    """GSM8K's gold answer: what follows '####' in the worked solution."""
-    if "####" not in solution:
-        raise ValueError("GSM8K solution has no '####' answer marker")
-    return solution.split("####")[1].strip()
+def to_example(row, settings=None):
+    """One GSM8K row as an example: the system prompt, the question, and the gold answer."""
+    return {"messages": [{"role": "system", "content": SYSTEM_PROMPT},
+                         {"role": "user", "content": nonempty(row["question"], "question")}],
+            "answer": answer_from_solution(nonempty(row["answer"], "answer"))}
 
 
-def _drop_separators(text):
-    return text.replace(",", "") if _THOUSANDS.match(text) else text
+def examples(data, split, skip_bad, settings):
+    return load_rows(data or DATA, split, to_example, settings, skip_bad)
 
 
-@register("format", low=0.0, high=1.0)
+def _drop_separators(answer):
+    return answer.replace(",", "") if _THOUSANDS.match(answer) else answer
+
+
 def format_reward(completion, example):
     ok = _FORMAT.search(completion) and completion.count("<answer>") == 1 and completion.count("</answer>") == 1
     return 1.0 if ok else 0.0
 
 
-@register("correct", low=0.0, high=1.0)
 def correct_reward(completion, example):
     gold = str(example["answer"]).strip()
     if example.get("answer_check") == "math":  # the math_length task: compare by value (rewards/math_length.py)
@@ -64,6 +71,5 @@ def correct_reward(completion, example):
     return 1.0 if _drop_separators(predicted) == _drop_separators(gold) else 0.0
 
 
-@register("integer", low=0.0, high=1.0)
 def integer_reward(completion, example):
     return 1.0 if extract_answer(completion).isdigit() else 0.0

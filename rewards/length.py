@@ -9,8 +9,6 @@ On its own this reward is easy to satisfy and can dominate a hard one. The paper
 it on correctness (Eq. 8): `--condition length_ok:correct>=1`.
 """
 
-from minigdpo.rewards import register
-
 DEFAULT_LIMIT = 4000
 
 
@@ -21,7 +19,6 @@ def completion_length(completion, example):
     return len(completion.split())
 
 
-@register("length_ok", low=0.0, high=1.0)
 def length_ok(completion, example):
     limit = example.get("length_limit", DEFAULT_LIMIT)
     return 1.0 if completion_length(completion, example) <= limit else 0.0

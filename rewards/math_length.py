@@ -1,6 +1,9 @@
-"""Math answers checked by value, for the paper's length-constrained math setting.
+"""The math_length task: math problems whose answers are checked by value, for the paper's
+length-constrained math setting.
 
-The math_length task's examples carry `answer_check: "math"` and `answer_format` ("answer" for
+Rows: `problem` (or `question`) with an `answer`, or a `solution` whose final answer is GSM8K's
+"#### 72" or MATH's \\boxed{72}; GSM8K's jsonl works offline, and the hub default is
+agentica-org/DeepScaleR-Preview-Dataset. The task's examples carry `answer_check: "math"` and `answer_format` ("answer" for
 <answer> tags, "boxed" for \\boxed{}); the shared `correct` reward (rewards/gsm8k.py) then
 extracts the final answer in that format and compares it with `math_equal` instead of by
 exact string. Its length reward is `length_ok` (rewards/length.py), which the paper
@@ -16,12 +19,42 @@ rational number. It is small and dependency-free on purpose; symbolic equivalenc
 import re
 from fractions import Fraction
 
+from minigdpo.data import first_field, load_rows, nonempty
+
+REWARDS = ["correct", "length_ok"]
+DATA = "agentica-org/DeepScaleR-Preview-Dataset"
 SYSTEM_PROMPTS = {
     "answer": "Solve the problem. Think step by step, then give only the final answer inside <answer></answer> tags.",
     "boxed": "Solve the problem. Think step by step, then give the final answer in \\boxed{}.",
 }
 
 _MAX_CHARS = 1000  # answers longer than this are not math answers; keeps every check linear and fast
+
+
+def answer_from_solution(solution):
+    """GSM8K's gold answer: what follows '####' in the worked solution."""
+    if "####" not in solution:
+        raise ValueError("GSM8K solution has no '####' answer marker")
+    return solution.split("####")[1].strip()
+
+
+def to_example(row, settings):
+    question = nonempty(first_field(row, "problem", "question"), "problem")
+    answer = row.get("answer")
+    if answer in (None, ""):
+        solution = nonempty(first_field(row, "solution"), "solution")
+        answer = answer_from_solution(solution) if "####" in solution else last_boxed(solution)
+    elif "####" in str(answer):
+        answer = answer_from_solution(str(answer))
+    if answer in (None, ""):
+        raise ValueError("no final answer in the row")
+    prompt = SYSTEM_PROMPTS[settings.get("answer_format", "answer")]
+    return {"messages": [{"role": "system", "content": prompt}, {"role": "user", "content": question}],
+            "answer": str(answer).strip(), "answer_check": "math"}
+
+
+def examples(data, split, skip_bad, settings):
+    return load_rows(data or DATA, split, to_example, settings, skip_bad)
 
 
 def last_boxed(text):

@@ -1,4 +1,7 @@
-"""Tool-calling rewards, following ToolRL's reward as used in the paper's tool-calling runs.
+"""The toolcall task: ToolRL's prompts and its reward, as used in the paper's tool-calling runs.
+
+Rows (--data): ToolRL's RL format (`prompt` messages, `reward_model.ground_truth`) or its SFT file
+(`instruction` holding the tools, `input` the dialogue, `output` the target).
 
 The example's `ground_truth` is the target text: a think block, then a tool_call block
 (one JSON object per line, each {"name": ..., "parameters": {...}}), a response block, or both:
@@ -41,8 +44,9 @@ import json
 import re
 from collections import Counter
 
-from minigdpo.rewards import register
+from minigdpo.data import DataError, load_rows, nonempty
 
+REWARDS = ["tool_format", "tool_correct"]
 MAX_SCORE, MIN_SCORE = 3.0, -3.0
 
 _PATTERNS = {  # (has tool_call, has response) -> the shape the completion must have
@@ -52,6 +56,25 @@ _PATTERNS = {  # (has tool_call, has response) -> the shape the completion must 
     (False, False): r"^<think>.*?</think>$",
 }
 _PATTERNS = {k: re.compile(v, re.DOTALL) for k, v in _PATTERNS.items()}
+
+
+def to_example(row, settings=None):
+    if "prompt" in row:  # ToolRL's RL format
+        messages = [{"role": m["role"], "content": m["content"]} for m in row["prompt"]]
+        truth = row["reward_model"]["ground_truth"]
+    else:  # ToolRL's SFT format: instruction (system, with the tools) / input (dialogue) / output (target)
+        messages = [{"role": "system", "content": nonempty(row["instruction"], "instruction")},
+                    {"role": "user", "content": nonempty(row["input"], "input")}]
+        truth = row["output"]
+    if not messages:
+        raise ValueError("empty prompt")
+    return {"messages": messages, "ground_truth": nonempty(truth, "ground_truth")}
+
+
+def examples(data, split, skip_bad, settings):
+    if not data:
+        raise DataError("task 'toolcall' needs --data (a local .jsonl/.json/.parquet file or a hub dataset name)")
+    return load_rows(data, split, to_example, settings, skip_bad)
 
 
 def _blocks(ground_truth):
@@ -69,13 +92,11 @@ def _format_ok(text, ground_truth, count_think):
     return 1.0 if _PATTERNS[has_call, has_response].search(text) else 0.0
 
 
-@register("tool_format", low=0.0, high=1.0)
 def tool_format(completion, example):
     """ToolRL's released format reward: strip, then check the blocks (see the module docstring)."""
     return _format_ok(completion.strip(), example["ground_truth"], count_think=False)
 
 
-@register("tool_format_strict", low=0.0, high=1.0)
 def tool_format_strict(completion, example):
     """Stricter than ToolRL: exactly one block of each kind, <think> included, on the raw text."""
     return _format_ok(completion, example["ground_truth"], count_think=True)
@@ -134,7 +155,6 @@ def call_score(gold, predicted):
     return (MAX_SCORE - MIN_SCORE) * score / s_max + MIN_SCORE
 
 
-@register("tool_correct", low=MIN_SCORE, high=MAX_SCORE)
 def tool_correct(completion, example):
     truth = example["ground_truth"]
     if "<tool_call>" not in truth:

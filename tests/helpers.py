@@ -31,3 +31,10 @@ def hangs(completion, example):
 
 def never_applies(completion, example):
     return None
+
+
+# The range of values each built-in reward may return (its docstring's table): the fuzz and adversarial
+# tests check every value against it.
+RANGES = {"format": (0.0, 1.0), "correct": (0.0, 1.0), "integer": (0.0, 1.0), "length_ok": (0.0, 1.0),
+          "tool_format": (0.0, 1.0), "tool_format_strict": (0.0, 1.0), "tool_correct": (-3.0, 3.0),
+          "pass": (0.0, 1.0), "no_bug": (0.0, 1.0)}

@@ -8,7 +8,9 @@ import os
 
 import pytest
 
-from minigdpo.data import DataError, PromptOrder, arith_examples, encode_prompt, load_task, read_rows
+from minigdpo.data import DataError, read_rows
+from rewards import PromptOrder, encode_prompt, load_task
+from rewards.arith import generate as arith_examples
 from rewards.gsm8k import correct_reward
 
 SHARED = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "..", "shared", "data")

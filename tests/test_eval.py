@@ -167,9 +167,9 @@ def test_paired_bootstrap_exact_cases():
 
 @pytest.mark.parametrize("difficulty", [1, 2])
 def test_arith_held_out_split_shares_no_problem_with_training(difficulty):
-    from minigdpo import data
+    from rewards import load_task
 
     question = lambda ex: ex["messages"][-1]["content"]  # noqa: E731
-    train = {question(ex) for ex in data.load_task("arith", split="train", arith_difficulty=difficulty).examples}
-    test = data.load_task("arith", split="test", arith_difficulty=difficulty).examples
+    train = {question(ex) for ex in load_task("arith", split="train", settings={"arith_difficulty": difficulty}).examples}
+    test = load_task("arith", split="test", settings={"arith_difficulty": difficulty}).examples
     assert len(test) >= 1000 and not any(question(ex) in train for ex in test)

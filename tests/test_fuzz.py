@@ -10,7 +10,8 @@ import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from minigdpo import rewards as registry
+import rewards as registry
+from helpers import RANGES
 
 GT = ('<think> t </think>\n<tool_call>\n{"name": "GetNews", "parameters": {"page": "1", "q": [1, 2]}}\n</tool_call>\n'
       "<response> r </response>")
@@ -56,7 +57,8 @@ SANDBOXED = [n for n in registry.names() if registry.get(n).prepare is not None]
 def check(name, completion):
     reward = registry.get(name)
     value = reward.fn(completion, dict(EXAMPLE))
-    assert value is None or reward.low <= value <= reward.high, (name, value)
+    low, high = RANGES[name]
+    assert value is None or low <= value <= high, (name, value)
 
 
 @pytest.mark.parametrize("name", FAST)
@@ -81,7 +83,7 @@ def test_sandboxed_rewards_never_raise_and_stay_in_range(name, completion):
     check(name, completion)
 
 
-def test_every_reward_declares_a_finite_range():
-    for name in registry.names():
-        r = registry.get(name)
-        assert r.low > -float("inf") and r.high < float("inf"), name
+def test_every_reward_has_a_finite_range_to_check():
+    assert set(RANGES) == set(registry.names())
+    for low, high in RANGES.values():
+        assert -float("inf") < low < high < float("inf")

@@ -14,8 +14,10 @@ import time
 
 import pytest
 
-from minigdpo.code_problems import PROBLEMS
-from minigdpo.sandbox import Limits, SandboxPool, capabilities, run_python, run_tests
+from rewards.code import problems
+from rewards.sandbox import Limits, SandboxPool, capabilities, run_python, run_tests
+
+PROBLEMS = problems()
 from rewards.code import extract_program, no_bug_reward, pass_reward
 
 LIMITS = Limits(timeout=6.0, cpu_seconds=3, memory_mb=512, max_output_bytes=1 << 20)
@@ -141,7 +143,7 @@ def test_nothing_is_left_behind():
 
 def test_reward_timeout_mid_run_cleans_up():
     """A SIGALRM from the reward scorer interrupts a run; the program must still be killed."""
-    from minigdpo.rewards import RewardTimeout
+    from rewards import RewardTimeout
 
     def alarm(signum, frame):
         raise RewardTimeout

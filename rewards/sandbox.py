@@ -15,12 +15,12 @@ Every run gets, in layers:
 | user | runs as an unprivileged uid of its own (one per parallel slot), so the process limit binds and the trainer's files are out of reach | as root |
 | namespaces | new network (only a downed loopback: no network), mount (fresh tmpfs on /tmp, /var/tmp, /dev/shm; private /proc) and pid namespaces (cannot see or signal the trainer; everything dies with the run) | Linux as root, or with unprivileged user namespaces |
 
-`python -m minigdpo.sandbox` prints which layers are active on this machine. Without root
+`python -m rewards.sandbox` prints which layers are active on this machine. Without root
 or user namespaces (e.g. macOS, locked-down containers), programs run as the trainer's own
 user: they can still be stopped by the limits, but network access and signals to the
 trainer's processes are not blocked. Run untrusted code only where the table says "as root".
 
-The child side is minigdpo/sandbox_launch.py: a few stdlib imports, so a run costs little more
+The child side is rewards/sandbox_launch.py: a few stdlib imports, so a run costs little more
 than two interpreter starts.
 """
 

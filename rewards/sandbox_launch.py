@@ -1,6 +1,6 @@
 """The child side of the sandbox: isolate, limit, drop privileges, then exec the program.
 
-Run by minigdpo/sandbox.py as `python -I -S sandbox_launch.py WORK PYTHON UID GID NS USERNS
+Run by rewards/sandbox.py as `python -I -S sandbox_launch.py WORK PYTHON UID GID NS USERNS
 HOST_UID HOST_GID CPU MEM_MB NPROC FSIZE NOFILE`, with cwd WORK, stdin the test input and stdout
 and stderr files. It imports only a few standard modules so that starting it stays cheap.
 """
