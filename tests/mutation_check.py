@@ -6,8 +6,9 @@
 
 For each mutation the script copies the repository (the files git tracks, as they are in the work tree)
 into a temporary directory, replaces one exact piece of one file (it must occur exactly once), runs the
-test files that cover that code with `pytest -x`, and prints "caught" when they fail and "missed" when
-they all pass. The exit status is 1 if any mutation was missed. pytest does not collect this file (its
+test files that cover that code with `pytest -x`, and prints "caught" when a test fails and "missed" when
+they all pass. First it runs each of those test selections once on the unchanged copy: they must pass
+there, or a "caught" would mean nothing. The exit status is 1 if any mutation was missed. pytest does not collect this file (its
 name does not start with test_); the suite itself never runs it.
 """
 
@@ -130,16 +131,18 @@ def copy_repo(dst):
         shutil.copy2(os.path.join(ROOT, f), os.path.join(dst, f))
 
 
-def check(m, timeout):
-    """(verdict, seconds): "caught", "missed", or "error: ..." when the mutation does not apply."""
+def check(m, timeout, mutate=True):
+    """(verdict, seconds): "caught", "missed", or "error: ..." when the mutation does not apply.
+    mutate=False runs the tests on the unchanged copy (they must pass: "missed")."""
     with tempfile.TemporaryDirectory(prefix="mutant-") as tmp:
         copy_repo(tmp)
         path = os.path.join(tmp, m.path)
         text = open(path).read()
         if text.count(m.old) != 1:
             return f"error: the piece occurs {text.count(m.old)} times in {m.path}", 0.0
-        with open(path, "w") as f:
-            f.write(text.replace(m.old, m.new))
+        if mutate:
+            with open(path, "w") as f:
+                f.write(text.replace(m.old, m.new))
         env = {**os.environ, "PYTHONPATH": tmp, "PYTHONDONTWRITEBYTECODE": "1"}
         t0 = time.monotonic()
         try:
@@ -166,6 +169,13 @@ def main():
         print("\n".join(f"{m.name}  [{m.path}; {' '.join(m.tests)}]" for m in chosen))
         return 0
     os.environ.setdefault("MINIGDPO_CACHE", tempfile.mkdtemp(prefix="mutant-cache-"))  # tiny-random built once
+    for tests in dict.fromkeys(m.tests for m in chosen):  # the control: each selection passes unmutated
+        m = next(m for m in chosen if m.tests == tests)
+        verdict, seconds = check(m, args.timeout, mutate=False)
+        if verdict != "missed":
+            print(f"error: {' '.join(tests)} does not pass on the unchanged repository ({verdict.splitlines()[0]})")
+            return 1
+        print(f"control  {seconds:6.1f} s  {' '.join(tests)} passes unchanged", flush=True)
     missed = 0
     for m in chosen:
         verdict, seconds = check(m, args.timeout)
