@@ -47,10 +47,11 @@ import time
 
 import torch
 
-from minigdpo import checkpoint, data, dist, lora, policy
+from minigdpo import checkpoint, data, dist, lora, models
 from minigdpo.config import Config
 from rewards import RewardScorer, encode_prompt, load_task
-from minigdpo.sampler import SamplingParams, SamplerUnavailable, make_sampler, resolve_kind
+from minigdpo.sampler import SamplingParams
+from minigdpo.vllm_sampler import SamplerUnavailable, make_sampler, resolve_kind
 
 # task -> (reward that means "solved" and its threshold, reward that means "well formatted")
 TASK_METRICS = {
@@ -187,7 +188,7 @@ def fill_settings(args, run):
 
 def model_path(model, out_dir, label=""):
     """A directory every sampler loads: the model itself, or a LoRA adapter merged into its base model."""
-    path = policy.resolve_model(model)
+    path = models.resolve_model(model)
     if lora.is_adapter_dir(path):  # base + adapter, merged once into a directory every sampler loads
         path = lora.merge_adapter_dir(path, os.path.join(out_dir, f"merged_model{label}")) if dist.is_main() else None
         path = dist.broadcast_object(path)
@@ -199,12 +200,12 @@ def new_sampler(path, args):
     """(sampler, tokenizer) for the model at `path`."""
     from transformers import AutoConfig, GenerationConfig
 
-    tokenizer = policy.load_tokenizer(path)
+    tokenizer = models.load_tokenizer(path)
     try:
         gen_config = GenerationConfig.from_pretrained(path)
     except OSError:
         gen_config = None
-    stop_ids = policy.stop_token_ids(AutoConfig.from_pretrained(path), gen_config, tokenizer)
+    stop_ids = models.stop_token_ids(AutoConfig.from_pretrained(path), gen_config, tokenizer)
     device = dist.device() if dist.is_initialized() else torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     sampler = make_sampler(args.sampler, path, device, tokenizer, stop_ids, dtype, seed=args.seed,
@@ -218,13 +219,13 @@ def same_shape(a, b):
 
     def shapes(path):
         out = {}
-        for file in policy.safetensors_files(path):
+        for file in models.safetensors_files(path):
             with safe_open(file, "pt") as f:
                 out |= {name: f.get_slice(name).get_shape() for name in f.keys()}
         out.pop("lm_head.weight", None)  # a tied head is saved by some writers, not by others
         return out
 
-    return shapes(a) == shapes(b) and policy.load_tokenizer(a).get_vocab() == policy.load_tokenizer(b).get_vocab()
+    return shapes(a) == shapes(b) and models.load_tokenizer(a).get_vocab() == models.load_tokenizer(b).get_vocab()
 
 
 def swap_in(sampler, tokenizer, source, path, args, kind):
@@ -233,7 +234,7 @@ def swap_in(sampler, tokenizer, source, path, args, kind):
     one. With vLLM it must be the same engine: its CuMem allocator serves one engine per process
     (vllm/v1/worker/gpu_worker.py:413-416)."""
     if same_shape(source, path):
-        sampler.load_weights(policy.checkpoint_tensors(path))  # each sampler casts to its own dtype
+        sampler.load_weights(models.checkpoint_tensors(path))  # each sampler casts to its own dtype
         return sampler, tokenizer
     if kind == "vllm":
         raise ValueError(f"--baseline {path} differs from --model {source} in its tensors' shapes or its vocabulary: "
@@ -388,7 +389,7 @@ def after_training(cfg, sampler, tokenizer):
     dist.print0(f"\nfinal evaluation: held-out {cfg.task} problems, the trained model against {cfg.model}")
     argv = ["--model", last, "--baseline", cfg.model, "--limit", str(cfg.final_eval), "--sampler", cfg.sampler,
             "--output", os.path.join(cfg.output_dir, "final_eval")]
-    return main(argv, sampler, tokenizer, source=policy.resolve_model(cfg.model))
+    return main(argv, sampler, tokenizer, source=models.resolve_model(cfg.model))
 
 
 if __name__ == "__main__":

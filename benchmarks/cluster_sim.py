@@ -119,7 +119,7 @@ def shared_dir(tmp):
     shared, clean = os.path.join(tmp, "shared"), os.path.join(tmp, "clean")
     cwds = [tmp, tmp]
     codes, s, _ = launch(two_nodes(TRAIN + ["--output-dir", shared], cwds),
-                         env={"MINIGDPO_FAULT": "before_save@3", "MINIGDPO_FAULT_RANK": "1"})
+                         env={"MINIGDPO_FAULT": "prepare@3", "MINIGDPO_FAULT_RANK": "1"})
     report("shared_dir: kill at step 3", codes, s)
     codes, s, _ = launch(two_nodes(TRAIN + ["--output-dir", shared, "--resume"], cwds))
     report("shared_dir: --resume", codes, s)

@@ -27,16 +27,16 @@ import tempfile
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 from minigdpo.plot import read_run  # noqa: E402
+from minigdpo import models  # noqa: E402
 
 
 def model_dir(layers, hidden, heads, kv_heads, intermediate, vocab):
-    from minigdpo import policy
 
     def build(path):
         import torch
         from transformers import Qwen2Config, Qwen2ForCausalLM
 
-        tok = policy.tiny_tokenizer()
+        tok = models.tiny_tokenizer()
         config = Qwen2Config(vocab_size=vocab, hidden_size=hidden, intermediate_size=intermediate,
                              num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
                              max_position_embeddings=4096, tie_word_embeddings=True, eos_token_id=tok.eos_token_id,
@@ -45,7 +45,7 @@ def model_dir(layers, hidden, heads, kv_heads, intermediate, vocab):
         Qwen2ForCausalLM(config).save_pretrained(path)
         tok.save_pretrained(path)
 
-    return policy._build_once(f"bench-qwen2-{layers}x{hidden}-v{vocab}", build)
+    return models._build_once(f"bench-qwen2-{layers}x{hidden}-v{vocab}", build)
 
 
 def main(argv=None):

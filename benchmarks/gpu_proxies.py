@@ -32,10 +32,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-import train  # noqa: E402
-from minigdpo import checkpoint, dist, policy  # noqa: E402
+from minigdpo import checkpoint, dist, logprobs, models, policy  # noqa: E402
 from minigdpo.config import Config  # noqa: E402
 from minigdpo.sampler import Completion, HFSampler, SamplingParams, sync_every  # noqa: E402
+from minigdpo.update import fill_logprobs, micro_batches, update  # noqa: E402
 
 MB = 1024**2
 SAFETENSORS_DTYPES = {"BF16": "bfloat16", "F16": "float16", "F32": "float32"}
@@ -47,7 +47,7 @@ def model_dir(layers, hidden, heads, kv_heads, intermediate, vocab):
     def build(path):
         from transformers import Qwen2Config, Qwen2ForCausalLM
 
-        tok = policy.tiny_tokenizer()
+        tok = models.tiny_tokenizer()
         config = Qwen2Config(vocab_size=vocab, hidden_size=hidden, intermediate_size=intermediate,
                              num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
                              max_position_embeddings=4096, tie_word_embeddings=True, eos_token_id=tok.eos_token_id,
@@ -56,7 +56,7 @@ def model_dir(layers, hidden, heads, kv_heads, intermediate, vocab):
         Qwen2ForCausalLM(config).to(torch.bfloat16).save_pretrained(path)
         tok.save_pretrained(path)
 
-    return policy._build_once(f"proxy-qwen2-{layers}x{hidden}-i{intermediate}-v{vocab}-bf16", build)
+    return models._build_once(f"proxy-qwen2-{layers}x{hidden}-i{intermediate}-v{vocab}-bf16", build)
 
 
 # Counters ---------------------------------------------------------------------------------------
@@ -65,7 +65,9 @@ class Collectives:
     """Counts FSDP2's all-gathers and reduce-scatters per parameter group, with the bytes gathered."""
 
     def __init__(self):
-        pg = dist.fsdp_collectives_module()
+        # Where FSDP2 (torch 2.13, fsdp/_fully_shard/_fsdp_param_group.py) looks up its collectives.
+        from torch.distributed.fsdp._fully_shard import _fsdp_param_group as pg
+
         self.pg, self.gathers, self.reduces, self.gathered_bytes = pg, {}, {}, 0
         self.orig = pg.foreach_all_gather, pg.foreach_reduce
 
@@ -153,8 +155,22 @@ def reset_peak():
 
 
 def resident_bytes(model):
-    """(bytes held by this rank for model's parameters, of which unsharded whole tensors)."""
-    return dist.resident_bytes(model)
+    """(bytes this rank holds for a sharded model's parameters, of which gathered whole tensors):
+    every FSDP2 parameter's shard, plus its whole tensor while it is unsharded. Reads FSDP2's private
+    state (torch 2.13, fsdp/_fully_shard/_fsdp_param.py): a probe for this benchmark and its test."""
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.fsdp._fully_shard._fsdp_param import ShardedState
+
+    total = whole = 0
+    for m in model.modules():
+        group = m._get_fsdp_state()._fsdp_param_group if isinstance(m, FSDPModule) else None
+        for p in group.fsdp_params if group else []:
+            local = p.sharded_param._local_tensor
+            total += local.numel() * local.element_size()
+            if p.sharded_state == ShardedState.UNSHARDED:
+                n = p._orig_size.numel() * (p.param_dtype or local.dtype).itemsize
+                total, whole = total + n, whole + n
+    return total, whole
 
 
 # The step ----------------------------------------------------------------------------------------
@@ -170,7 +186,7 @@ def batch(args, device):
         n = args.completion_len - int(torch.randint(0, 8, (1,), generator=g))
         comps.append(Completion(torch.randint(0, 250, (n,), generator=g).tolist(), [-1.0] * n))
     adv = torch.randn(len(comps), generator=g)
-    return train.micro_batches(prompts, comps, adv, args.micro_batch, 257, device, args.group)
+    return micro_batches(prompts, comps, adv, args.micro_batch, 257, device, args.group)
 
 
 def step_cfg(args):
@@ -196,7 +212,7 @@ def prefix_gradients_match(path, device, mb, args):
 
 def sampler_syncs_per_token(path, dtype, args):
     """Host syncs per decode step: the difference between two lengths cancels the per-row epilogue."""
-    lm = policy.load_model(path, dtype)
+    lm = models.load_model(path, dtype)
     unreachable = lm.config.vocab_size  # a stop id no row can draw: every row runs to max_new_tokens
     sampler = HFSampler(lm, [unreachable], 257, torch.device("cpu"))
     sampler.sync_every = sync_every(torch.device("cuda"))  # what it does on a GPU (on the CPU it checks every step)
@@ -214,7 +230,7 @@ def export_figures(model, tokenizer, path, source, args):
     from safetensors import safe_open
     from transformers import AutoConfig
 
-    save_dtype = policy.source_dtype(source)  # as train.py does
+    save_dtype = models.source_dtype(source)  # as train.py does
     held = {"files": [], "full_bytes": 0}
     orig_save, orig_full = checkpoint.save_file, dist.full_tensor
 
@@ -272,7 +288,7 @@ def main(argv=None):
     path = model_dir(args.layers, args.hidden, args.heads, args.kv_heads, args.intermediate, args.vocab)
     device = dist.init()
     world, dtype = dist.world_size(), torch.bfloat16
-    tokenizer = policy.load_tokenizer(path)
+    tokenizer = models.load_tokenizer(path)
     rows = []
 
     def row(figure, value, floor, ok):
@@ -280,7 +296,7 @@ def main(argv=None):
 
     # Start-up: the rise of peak host memory while each model is built and sharded. A model on the
     # meta device first imports its modelling code, whose memory is no part of the model's.
-    policy.empty_model(path, dtype)
+    models.empty_model(path, dtype)
     base = rss_mb()
     reset_peak()
     model = policy.build(path, device, dtype)
@@ -289,7 +305,7 @@ def main(argv=None):
     reset_peak()
     ref = policy.build(path, device, dtype, frozen=True)
     peak_ref = peak_rss_mb() - base
-    layer_params = sum(p.numel() for p in policy.decoder_layers(model.lm)[0].parameters())
+    layer_params = sum(p.numel() for p in logprobs.decoder_layers(model.lm)[0].parameters())
     n_params = sum(p.numel() for p in model.parameters())
     fp32_mb, layer_mb = n_params * 4 / MB, layer_params * 4 / MB
     floor = 1.5 * fp32_mb / world + layer_mb
@@ -301,12 +317,12 @@ def main(argv=None):
 
     # The step: reference pass, then one update, with prefix sharing on (train.py's default).
     cfg, batches = step_cfg(args), batch(args, device)
-    train.fill_logprobs(ref, batches, "ref_logp", cfg, reshard=True)
+    fill_logprobs(ref, batches, "ref_logp", cfg, reshard=True)
     bf16_bytes = n_params * 2
     for label, r in (("", ref), (" --ref-offload", None)):
         if r is None:
             r = policy.build(path, device, dtype, frozen=True, offload=True)
-            train.fill_logprobs(r, batches, "ref_logp_offload", cfg, reshard=True)
+            fill_logprobs(r, batches, "ref_logp_offload", cfg, reshard=True)
         total, whole = resident_bytes(r)
         floor = bf16_bytes / world + layer_params * 2
         row(f"reference bytes resident per rank after its pass{label} (MB)", f"{total / MB:.1f} "
@@ -315,7 +331,7 @@ def main(argv=None):
     opt = policy.optimizer(model, 1e-5, 0.0)
     sched = policy.scheduler(opt, 10, 0.0, "constant")
     with Collectives() as coll, MatmulFlops() as flops:
-        train.update(model, opt, sched, batches, cfg, tokens / world, sum(len(mb["index"]) for mb in batches))
+        update(model, opt, sched, batches, cfg, tokens / world, sum(len(mb["index"]) for mb in batches))
     n_mb = len(batches)
     per_layer = coll.per_layer(coll.gathers) / n_mb
     grad_diff = prefix_gradients_match(path, device, batches[0], args)

@@ -19,7 +19,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from minigdpo.policy import chunked_logprobs  # noqa: E402  (imported before any measurement)
+from minigdpo.logprobs import chunked_logprobs  # noqa: E402  (imported before any measurement)
 
 
 def peak_rss_mb():

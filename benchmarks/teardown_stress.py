@@ -10,7 +10,7 @@ tiny random model, checkpoint every step, about 10 s on 2 idle cores):
   smoke         torchrun --nproc_per_node 2 train.py --preset smoke --max-steps 4 --save-every 1 ...: exits 0
   two-node      the same run as 2 torchrun agents (--nnodes 2, one rank each) sharing an output dir: both exit 0
   config-error  2 ranks, --batch-size 12 (refused once the world size is known): exits 1, rank says "error:"
-  save-stop     2 ranks, rank 1's checkpoint write fails at step 2 (MINIGDPO_FAULT=enospc@2): exits 1
+  save-stop     2 ranks, rank 1's checkpoint write fails at step 2 (MINIGDPO_FAULT=hf@2:enospc): exits 1
   sigterm       2 ranks, SIGTERM to torchrun once step 1 is logged: exits non-zero, nothing hangs
   export        2 ranks, tests/gather_main.py (build a sharded model, gather it for the export, exit: no
                 training), the test that aborted this way twice in one full run of the suite under load
@@ -89,7 +89,7 @@ def run_once(kind, tmp, args, env):
     if kind == "config-error":
         extra = ["--batch-size", "12"]
     elif kind == "save-stop":
-        env |= {"MINIGDPO_FAULT": "enospc@2", "MINIGDPO_FAULT_RANK": "1"}
+        env |= {"MINIGDPO_FAULT": "hf@2:enospc", "MINIGDPO_FAULT_RANK": "1"}
     procs = start([(torchrun(1, 0, 2, port(), train_args(args.steps, out) + extra), ROOT)], env)
     if kind == "sigterm":  # once rank 0 has logged a step, so the group and the bar exist
         metrics = os.path.join(out, "metrics.jsonl")

@@ -24,6 +24,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from minigdpo import models
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
@@ -31,9 +32,8 @@ GSM8K = os.path.join(ROOT, "..", "shared", "data", "gsm8k", "train.jsonl")
 
 
 def model_dir(kind):
-    from minigdpo import policy
 
-    demo = policy.resolve_model(policy.DEMO_MODEL)  # the SmolLM2 tokenizer (and model), offline
+    demo = models.resolve_model(models.DEMO_MODEL)  # the SmolLM2 tokenizer (and model), offline
     if kind == "smollm2":
         return demo
 
@@ -49,7 +49,7 @@ def model_dir(kind):
         LlamaForCausalLM(cfg).save_pretrained(path)
         tok.save_pretrained(path)
 
-    return policy._build_once("bench-tiny-llama-smollm2-tokenizer", build)
+    return models._build_once("bench-tiny-llama-smollm2-tokenizer", build)
 
 
 def prompts_file(n, out):

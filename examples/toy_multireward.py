@@ -33,7 +33,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from minigdpo.advantages import ESTIMATORS  # noqa: E402
-from minigdpo.loss import policy_loss  # noqa: E402
+from minigdpo.update import policy_loss  # noqa: E402
 
 BITS = 8
 SETTINGS = {  # name: (reward bit groups, group size G)

@@ -33,7 +33,6 @@ from safetensors.torch import save_file
 
 from minigdpo import dist, lora
 from minigdpo.config import ConfigError
-from minigdpo.policy import hf_state
 
 _STEP_DIR = re.compile(r"^step_(\d{6,})$")
 MAX_SHARD_BYTES = 4 * 1024**3
@@ -45,21 +44,6 @@ class CheckpointError(RuntimeError):
 
 class NotWhole(OSError):
     """Files that other ranks wrote are missing from rank 0's view of a checkpoint."""
-
-
-def inject_fault(point, step):
-    """Fault-injection hook for the reliability tests; does nothing unless MINIGDPO_FAULT is set.
-
-    MINIGDPO_FAULT=POINT@STEP acts on rank MINIGDPO_FAULT_RANK (default 0) when it reaches POINT at
-    STEP: enospc and enospc_state make that rank's Hugging Face export or sharded-state write fail as a
-    full disk would; any other point SIGKILLs the rank there.
-    """
-    spec = os.environ.get("MINIGDPO_FAULT")
-    if not spec or spec != f"{point}@{step}" or os.environ.get("MINIGDPO_FAULT_RANK", "0") != str(dist.rank()):
-        return
-    if point.startswith("enospc"):
-        raise OSError(errno.ENOSPC, "No space left on device (injected)")
-    os.kill(os.getpid(), signal.SIGKILL)
 
 
 def root(output_dir):
@@ -176,10 +160,10 @@ def _saved_world_size(path):
         return 1
 
 
-def _write_hf(model, tokenizer, path, dtype, step):
+def _write_hf(model, tokenizer, path, dtype):
     """A Hugging Face directory, streamed: rank 0 writes each safetensors file as soon as it is full.
 
-    Every rank iterates hf_state to its end, since each step is a collective (a gather to rank 0: no
+    Every rank iterates model.hf_state to its end, since each step is a collective (a gather to rank 0: no
     other rank holds a whole tensor). A write that fails on rank 0 stops its writing, not its
     iterating, so the ranks stay in step; returns the error or "". safetensors reports a failed write
     (a full disk among them) as a SafetensorError, not an OSError.
@@ -190,15 +174,13 @@ def _write_hf(model, tokenizer, path, dtype, step):
         name = f"model-{len(files) + 1:05d}.safetensors"
         save_file(current, os.path.join(path, name), metadata={"format": "pt"})
         files.append((name, {k: t.numel() * t.element_size() for k, t in current.items()}))
-        inject_fault("between_shards", step)
 
     try:
-        inject_fault("enospc", step)
         if main:
             os.makedirs(path, exist_ok=True)
     except OSError as e:
         error = _explain(e, path)
-    for name, tensor in hf_state(model, dtype, main_only=True):  # every rank iterates: each step is a collective
+    for name, tensor in model.hf_state(dtype, main_only=True):  # every rank iterates: each step is a collective
         if not main or error:
             continue
         try:
@@ -273,14 +255,13 @@ def _explain(error, path):
 
 
 def _attempt(fn, path):
-    """Run one rank's part of a save phase; the error as one line, or ""."""
+    """Run one rank's part of a save phase; the error as one line, or "" (fn may return its own error)."""
     try:
-        fn()
+        return fn() or ""
     except dist.SaveError as e:  # DCP's verdict, raised on every rank: the failed rank(s) report it
         return _explain(e, path) if dist.rank() in e.ranks else ""
     except Exception as e:  # OSError for a full disk or a failed write
         return _explain(e, path)
-    return ""
 
 
 def _agree(error, tmp):
@@ -302,8 +283,11 @@ def save(output_dir, step, model, optimizer, sched, tokenizer, trainer_state, sa
     """Write checkpoint `step` atomically on all ranks; raise CheckpointError on every rank on failure,
     within one phase of the failure, leaving the previous checkpoint untouched.
 
-    A LoRA model's adapters go to adapter/; export_hf=False skips hf/ (for LoRA without --merge-on-save)."""
-    inject_fault("before_save", step)  # a kill between the update and the save
+    Phases, each ended by a vote of every rank: prepare (rank 0 makes the folder), adapter (with LoRA:
+    peft's format), hf (the Hugging Face export; export_hf=False skips it, for LoRA without
+    --merge-on-save), state (every rank's DCP shards and RNG state), finish (rank 0 checks that every
+    rank's files are there, then writes trainer.json and COMPLETE) and rename.
+    """
     final = os.path.join(root(output_dir), f"step_{step:06d}")
     tmp = final + ".partial"
 
@@ -312,11 +296,14 @@ def save(output_dir, step, model, optimizer, sched, tokenizer, trainer_state, sa
             shutil.rmtree(tmp, ignore_errors=True)
             os.makedirs(tmp)
 
+    def write_adapter():
+        adapters = lora.adapter_state(model.lm)  # every rank gathers: each step is a collective
+        if dist.is_main():
+            lora.save_adapter(os.path.join(tmp, "adapter"), adapters, model.lm, tokenizer)
+
     def write_state():  # each rank creates every folder it writes to
         os.makedirs(os.path.join(tmp, "rng"), exist_ok=True)
-        dist.save_sharded(model, optimizer, os.path.join(tmp, "state"),
-                          before_write=lambda: inject_fault("enospc_state", step))
-        inject_fault("after_state", step)
+        dist.save_sharded(model, optimizer, os.path.join(tmp, "state"))
         torch.save(rng_state(), os.path.join(tmp, "rng", f"rank{dist.rank()}.pt"))
 
     def finish():
@@ -328,26 +315,37 @@ def save(output_dir, step, model, optimizer, sched, tokenizer, trainer_state, sa
                 json.dump({**trainer_state, "step": step, "scheduler": sched.state_dict()}, f, indent=2, default=str)
             with open(os.path.join(tmp, "COMPLETE"), "w") as f:
                 f.write("ok\n")
-            inject_fault("before_rename", step)
+
+    def rename():
+        if dist.is_main():
             shutil.rmtree(final, ignore_errors=True)
             os.replace(tmp, final)
             _prune(output_dir, keep)
 
-    _agree(_attempt(prepare, tmp), tmp)
-    if lora.has_adapters(model.lm):
-        adapters = lora.adapter_state(model.lm)  # every rank gathers: each step is a collective
-
-        def write_adapter():
-            if dist.is_main():
-                lora.save_adapter(os.path.join(tmp, "adapter"), adapters, model.lm, tokenizer)
-
-        _agree(_attempt(write_adapter, tmp), tmp)
-    if export_hf:
-        _agree(_write_hf(model, tokenizer, os.path.join(tmp, "hf"), save_dtype, step), tmp)
-    inject_fault("after_hf", step)
-    _agree(_attempt(write_state, tmp), tmp)
-    _agree(_attempt(finish, tmp), tmp)
+    phases = [("prepare", prepare), ("adapter", write_adapter if lora.has_adapters(model.lm) else None),
+              ("hf", (lambda: _write_hf(model, tokenizer, os.path.join(tmp, "hf"), save_dtype)) if export_hf else None),
+              ("state", write_state), ("finish", finish), ("rename", rename)]
+    for name, run in phases:
+        if run is not None:
+            injected = _fault(name, step)
+            error = _attempt(run, tmp)
+            _agree(error or (_explain(injected, tmp) if injected else ""), tmp)
     return final
+
+
+def _fault(phase, step):
+    """The one fault hook, for the reliability tests: None unless MINIGDPO_FAULT names this phase.
+
+    MINIGDPO_FAULT=PHASE@STEP SIGKILLs rank MINIGDPO_FAULT_RANK (default 0) as phase PHASE of checkpoint
+    STEP begins. PHASE@STEP:enospc returns a full-disk error instead, which that rank reports at the end
+    of the phase, its part run (collectives included) as a write that failed would have run it.
+    """
+    point, _, kind = os.environ.get("MINIGDPO_FAULT", "").partition(":")
+    if point != f"{phase}@{step}" or os.environ.get("MINIGDPO_FAULT_RANK", "0") != str(dist.rank()):
+        return None
+    if kind != "enospc":
+        os.kill(os.getpid(), signal.SIGKILL)
+    return OSError(errno.ENOSPC, "No space left on device (injected)")
 
 
 def _prune(output_dir, keep):

@@ -67,12 +67,6 @@ def count_distinct(estimator, group_size, num_rewards):
     return count_all(group_size, num_rewards, (estimator,))[estimator]
 
 
-def distinct_per_group(advantages, decimals=4):
-    """Distinct advantage values inside each group of (B, G): the training-time collapse signal."""
-    keys = torch.round(advantages.float() * 10**decimals).sort(dim=1).values  # (B, G)
-    return 1 + (keys[:, 1:] != keys[:, :-1]).sum(dim=1)                       # (B,)
-
-
 def table(group_sizes=range(2, 17), reward_counts=range(2, 9), fixed_rewards=2, fixed_group=4):
     """Rows of (axis, value, {estimator: count}) for both sweeps of Figure 3."""
     rows = []

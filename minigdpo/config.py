@@ -11,7 +11,9 @@ import inspect
 import math
 from dataclasses import MISSING, asdict, dataclass, field, fields  # noqa: F401  (fields is used by callers)
 
-from minigdpo.loss import AGGREGATIONS, TRL_NAMES
+from minigdpo.advantages import ESTIMATORS
+from minigdpo.update import AGGREGATIONS, TRL_NAMES
+from rewards import TASKS
 
 
 # The attention and MLP projections of Llama, Qwen2 and Mistral (and SmolLM2, a Llama).
@@ -189,8 +191,8 @@ PRESETS = {
 }
 
 CHOICES = {
-    "estimator": ("gdpo", "grpo", "grpo_no_std", "gdpo_verl", "gdpo_nemo"),
-    "task": ("gsm8k", "arith", "toolcall", "math_length", "code"),
+    "estimator": tuple(ESTIMATORS),
+    "task": tuple(TASKS),
     "lr_schedule": ("cosine", "constant"),
     "loss_agg": AGGREGATIONS + tuple(TRL_NAMES),
     "sampler": ("auto", "hf", "vllm"),
@@ -260,13 +262,13 @@ def build_parser(description=""):
 
 
 def parse_args(argv=None, description=""):
-    """Preset values, then explicit flags on top."""
+    """Preset values, then explicit flags on top; every value checked (validate)."""
     args = vars(build_parser(description).parse_args(argv))
     preset = args["preset"] or Config.preset
     if preset not in PRESETS:
         raise ConfigError(f"--preset {preset!r} is not one of {', '.join(PRESETS)}")
     values = {**PRESETS[preset], **{k: v for k, v in args.items() if v is not None}, "preset": preset}
-    return Config(**values)
+    return validate(Config(**values))
 
 
 def _check(ok, message):
@@ -359,8 +361,7 @@ class Derived:
 
 
 def resolve(cfg, world_size, num_prompts, mesh=()):
-    """Validate, then derive sizes for `world_size` ranks and a prompt set of `num_prompts`."""
-    validate(cfg)
+    """Derive sizes for `world_size` ranks and a prompt set of `num_prompts` from a validated config."""
     _check(cfg.batch_size % (world_size * cfg.group_size) == 0,
            f"--batch-size {cfg.batch_size} must divide by world size x group size = {world_size} x {cfg.group_size}, "
            "so that every rank holds whole groups")

@@ -102,7 +102,8 @@ def cleanup():
     GIL for that. If Python has begun finalizing, CPython ends the thread with pthread_exit, whose
     unwinding meets a noexcept destructor: std::terminate, "terminate called without an active
     exception", SIGABRT. So the mesh lets go of its groups here, and a collection frees what
-    cycles still hold them; the group's destructor then joins its worker threads.
+    cycles still hold them; the group's destructor then joins its worker threads (tests/test_cluster.py
+    counts them on every exit path).
     """
     global _mesh
     mesh, _mesh = _mesh, None
@@ -112,23 +113,6 @@ def cleanup():
         getattr(mesh, "_pg_registry", {}).clear()  # the root mesh's: every dimension's and submesh's groups
     del mesh
     gc.collect()
-
-
-def group_threads():
-    """Worker threads of process groups still alive in this process (Linux; 0 elsewhere): gloo's
-    pt_gloo_runloop threads. 0 after cleanup() (a test checks it on every exit path)."""
-    try:
-        tasks = os.listdir("/proc/self/task")
-    except OSError:
-        return 0
-    alive = 0
-    for t in tasks:
-        try:
-            with open(f"/proc/self/task/{t}/comm") as f:
-                alive += f.read().strip() == "pt_gloo_runloop"
-        except OSError:
-            pass
-    return alive
 
 
 def is_initialized():
@@ -256,31 +240,6 @@ def reshard(model):
             m.reshard()
 
 
-def resident_bytes(model):
-    """(bytes this rank holds for a sharded model's parameters, of which gathered whole tensors):
-    every FSDP2 parameter's shard, plus its whole tensor while it is unsharded."""
-    from torch.distributed.fsdp._fully_shard._fsdp_param import ShardedState
-
-    total = whole = 0
-    for m in model.modules():
-        group = m._get_fsdp_state()._fsdp_param_group if isinstance(m, FSDPModule) else None
-        for p in group.fsdp_params if group else []:
-            local = p.sharded_param._local_tensor
-            total += local.numel() * local.element_size()
-            if p.sharded_state == ShardedState.UNSHARDED:
-                n = p._orig_size.numel() * (p.param_dtype or local.dtype).itemsize
-                total, whole = total + n, whole + n
-    return total, whole
-
-
-def fsdp_collectives_module():
-    """The module where FSDP2 (torch 2.13, torch/distributed/fsdp/_fully_shard/_fsdp_param_group.py)
-    looks up foreach_all_gather and foreach_reduce: benchmarks wrap them there to count collectives."""
-    from torch.distributed.fsdp._fully_shard import _fsdp_param_group
-
-    return _fsdp_param_group
-
-
 def full_tensor(t, main_only=False):
     """The whole tensor behind a (possibly sharded) parameter. Every rank must call it, in the same order.
 
@@ -310,19 +269,7 @@ class SaveError(OSError):
     """A sharded save failed; raised on every rank, with `ranks`, those where it failed."""
 
 
-class _Writer(dcp.FileSystemWriter):
-    """DCP's file writer, calling `before_write` inside DCP's own write step (fault injection)."""
-
-    def __init__(self, path, before_write):
-        super().__init__(path)
-        self.before_write = before_write
-
-    def write_data(self, plan, planner):
-        self.before_write()
-        return super().write_data(plan, planner)
-
-
-def save_sharded(model, optimizer, path, before_write=None):
+def save_sharded(model, optimizer, path):
     """Each rank writes its shards of model and optimizer state (torch.distributed.checkpoint).
 
     DCP gathers every rank's write result, so a write that fails on one rank raises on all of them.
@@ -330,9 +277,8 @@ def save_sharded(model, optimizer, path, before_write=None):
     reads them from the model's own checkpoint again.
     """
     model_sd, optim_sd = get_state_dict(model, optimizer, options=StateDictOptions(ignore_frozen_params=True))
-    writer = _Writer(path, before_write) if before_write else None
     try:
-        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=path, storage_writer=writer)
+        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=path)
     except dcp.api.CheckpointException as e:  # a BaseException: turn it into an ordinary, one-line error
         bad = sorted(e.failures)
         first = e.failures[bad[0]] if bad else e

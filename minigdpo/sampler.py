@@ -10,7 +10,7 @@ top-p truncation, the same quantity the trainer recomputes), and why it ended. v
 its log-probs after top-p truncation instead, which is why config.validate refuses
 --top-p below 1 with any sampler but hf.
 
-The vLLM backend lives in minigdpo/vllm_sampler.py; `make_sampler` picks one.
+The vLLM backend lives in minigdpo/vllm_sampler.py, with `make_sampler`, which picks one of the two.
 
 Shape legend: B prompts, n samples per prompt, N = B * n rows, P prompt columns, V vocab.
 """
@@ -241,39 +241,3 @@ class HFSampler:
         if self.offloaded:
             self.model.to(self.device)
             self.offloaded = False
-
-
-
-class SamplerUnavailable(RuntimeError):
-    """The requested backend cannot run here; the message says why in one line."""
-
-
-def vllm_available():
-    import importlib.util
-
-    return importlib.util.find_spec("vllm") is not None and torch.cuda.is_available()
-
-
-def resolve_kind(kind):
-    """"hf" or "vllm" for a --sampler value; raises SamplerUnavailable before any model loads."""
-    import importlib.util
-
-    if kind == "auto":
-        return "vllm" if vllm_available() else "hf"
-    if kind == "vllm":
-        if not torch.cuda.is_available():
-            raise SamplerUnavailable("--sampler vllm needs a CUDA GPU; use --sampler hf on this machine")
-        if importlib.util.find_spec("vllm") is None:
-            raise SamplerUnavailable("--sampler vllm needs vLLM: pip install 'minigdpo[vllm]'")
-    return kind
-
-
-def make_sampler(kind, model_path, device, tokenizer, stop_ids, dtype, seed=0, **vllm_options):
-    """The rollout backend: "hf", "vllm", or "auto" (vLLM when importable with CUDA, else HF)."""
-    if resolve_kind(kind) == "vllm":
-        from minigdpo.vllm_sampler import VLLMSampler
-
-        return VLLMSampler(model_path, tokenizer, stop_ids, seed=seed, dtype=dtype, **vllm_options)
-    from minigdpo.policy import load_model
-
-    return HFSampler(load_model(model_path, dtype), stop_ids, tokenizer.pad_token_id, device, tokenizer)

@@ -1,4 +1,5 @@
-"""The vLLM rollout backend, colocated with the FSDP2 trainer: one engine per rank.
+"""The vLLM rollout backend, colocated with the FSDP2 trainer: one engine per rank; and `make_sampler`,
+which picks it or the built-in Hugging Face sampler (minigdpo/sampler.py).
 
 Written against vLLM 0.33.0 (pinned in setup.py's `vllm` and `gpu` extras). Every vLLM call the
 project makes is in this file; tests/check_vllm_contract.py checks each name against the wheel:
@@ -52,8 +53,8 @@ import socket
 import numpy as np
 import torch
 
-from minigdpo import dist
-from minigdpo.sampler import Completion, WeightSyncError, check_sync, weight_names
+from minigdpo import dist, models
+from minigdpo.sampler import Completion, HFSampler, WeightSyncError, check_sync, weight_names
 
 VLLM_VERSION = "0.33.0"
 # What the vLLM 0.33.0 wheel declares (its METADATA); setup.py's own ranges must lie inside these.
@@ -188,3 +189,30 @@ class VLLMSampler:
         if not self.kv_awake:
             self._wake_up("kv_cache")
             self.kv_awake = True
+
+
+# Picking a backend -----------------------------------------------------------------------------
+
+class SamplerUnavailable(RuntimeError):
+    """The requested backend cannot run here; the message says why in one line."""
+
+
+def resolve_kind(kind):
+    """"hf" or "vllm" for a --sampler value; raises SamplerUnavailable before any model loads."""
+    import importlib.util
+
+    if kind == "auto":
+        return "vllm" if importlib.util.find_spec("vllm") is not None and torch.cuda.is_available() else "hf"
+    if kind == "vllm":
+        if not torch.cuda.is_available():
+            raise SamplerUnavailable("--sampler vllm needs a CUDA GPU; use --sampler hf on this machine")
+        if importlib.util.find_spec("vllm") is None:
+            raise SamplerUnavailable("--sampler vllm needs vLLM: pip install 'minigdpo[vllm]'")
+    return kind
+
+
+def make_sampler(kind, model_path, device, tokenizer, stop_ids, dtype, seed=0, **vllm_options):
+    """The rollout backend: "hf", "vllm", or "auto" (vLLM when importable with CUDA, else HF)."""
+    if resolve_kind(kind) == "vllm":
+        return VLLMSampler(model_path, tokenizer, stop_ids, seed=seed, dtype=dtype, **vllm_options)
+    return HFSampler(models.load_model(model_path, dtype), stop_ids, tokenizer.pad_token_id, device, tokenizer)

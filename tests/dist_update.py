@@ -13,14 +13,14 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import train  # noqa: E402
-from minigdpo import dist, lora, policy  # noqa: E402
+from minigdpo import dist, lora, models, policy  # noqa: E402
 from minigdpo.config import Config  # noqa: E402
 from minigdpo.sampler import Completion  # noqa: E402
+from minigdpo.update import fill_logprobs, micro_batches, step_metrics, update  # noqa: E402
 
 
 def main(out, agg, sharding, adapters=None):
-    path = policy.resolve_model("tiny-random")  # before the group: transformers saves on rank 0 only with one
+    path = models.resolve_model("tiny-random")  # before the group: transformers saves on rank 0 only with one
     device = dist.init(sharding)
     torch.manual_seed(0)
     model = policy.build(path, device, torch.float32, lora=adapters)
@@ -42,17 +42,17 @@ def main(out, agg, sharding, adapters=None):
     mine = slice(rank * per, (rank + 1) * per)
     cfg = Config(num_iterations=2, temperature=1.0, logprob_chunk=3, tis_cap=0.0, clip_low=0.2, clip_high=0.2,
                  beta=0.1, loss_agg=agg, max_new_tokens=6, max_grad_norm=1.0, grad_checkpointing=False)
-    batches = train.micro_batches(prompts[mine], comps[mine], adv[mine], 3 if world == 1 else 2, 257, device, G)
+    batches = micro_batches(prompts[mine], comps[mine], adv[mine], 3 if world == 1 else 2, 257, device, G)
     if ref is not None:
-        train.fill_logprobs(ref, batches, "ref_logp", cfg)
+        fill_logprobs(ref, batches, "ref_logp", cfg)
     else:
         with lora.adapters_off(model):
-            train.fill_logprobs(model, batches, "ref_logp", cfg)
-    train.fill_logprobs(model, batches, "old_logp", cfg)
+            fill_logprobs(model, batches, "ref_logp", cfg)
+    fill_logprobs(model, batches, "old_logp", cfg)
     tokens = dist.all_reduce(sum(mb["mask"].sum() for mb in batches).reshape(1)).item()
-    totals = train.update(model, opt, sched, batches, cfg, tokens / world, S // world)
-    stats = train.loss_metrics(totals)
-    params = {name: t.clone() for name, t in policy.hf_state(model)}
+    totals = update(model, opt, sched, batches, cfg, tokens / world, S // world)
+    stats = step_metrics(totals)
+    params = {name: t.clone() for name, t in model.hf_state()}
     if dist.is_main():
         torch.save({"params": params, "stats": stats, "mesh": tuple(dist.mesh().shape)}, out)
 

@@ -15,18 +15,18 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from minigdpo import dist, policy  # noqa: E402
+from minigdpo import dist, models, policy  # noqa: E402
 
 
 def main(out, sharding):
-    path = policy.resolve_model("tiny-random")  # before the group: transformers saves on rank 0 only with one
+    path = models.resolve_model("tiny-random")  # before the group: transformers saves on rank 0 only with one
     if sharding == "hsdp":
         os.environ["LOCAL_WORLD_SIZE"] = "1"
     device = dist.init(sharding)
     model = policy.build(path, device, torch.float32)
-    whole = dict(policy.hf_state(model, torch.bfloat16))
+    whole = dict(model.hf_state(torch.bfloat16))
     received, mismatched, names = 0, [], []
-    for name, t in policy.hf_state(model, torch.bfloat16, main_only=True):
+    for name, t in model.hf_state(torch.bfloat16, main_only=True):
         names.append(name)
         if t is not None:
             received += 1

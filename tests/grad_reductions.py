@@ -20,10 +20,10 @@ from torch.distributed.fsdp import FSDPModule
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import train  # noqa: E402
-from minigdpo import dist, policy  # noqa: E402
+from minigdpo import dist, models, policy  # noqa: E402
 from minigdpo.config import Config  # noqa: E402
 from minigdpo.sampler import Completion  # noqa: E402
+from minigdpo.update import micro_batches, update  # noqa: E402
 
 
 class Reductions:
@@ -50,7 +50,7 @@ class Reductions:
 
 
 def main(out, sharding):
-    path = policy.resolve_model("tiny-random")  # before the group: transformers saves on rank 0 only with one
+    path = models.resolve_model("tiny-random")  # before the group: transformers saves on rank 0 only with one
     if sharding == "hsdp":
         os.environ["LOCAL_WORLD_SIZE"] = "1"
     device = dist.init(sharding)
@@ -65,12 +65,12 @@ def main(out, sharding):
         opt = policy.optimizer(model, 1e-3, 0.0)
         sched = policy.scheduler(opt, 10, 0.0, "constant")
         cfg = Config(beta=0.0, max_new_tokens=5, reduce_grads=mode, logprob_chunk=64)
-        batches = train.micro_batches(prompts, comps, adv, 2, 257, device, 4)  # 4 micro-batches
+        batches = micro_batches(prompts, comps, adv, 2, 257, device, 4)  # 4 micro-batches
         modules = sum(isinstance(m, FSDPModule) for m in model.modules())  # the decoder layers and the root
         with Reductions() as counted:
-            train.update(model, opt, sched, batches, cfg, 40.0, 8)
+            update(model, opt, sched, batches, cfg, 40.0, 8)
         result[mode] = {k: v / modules for k, v in counted.counts.items()} | {"micro_batches": len(batches)}
-        params[mode] = {n: t.clone() for n, t in policy.hf_state(model)}
+        params[mode] = {n: t.clone() for n, t in model.hf_state()}
     result["param_diff"] = max((params["step"][n] - params["micro_batch"][n]).abs().max().item() for n in params["step"])
     if dist.is_main():
         with open(out, "w") as f:

@@ -16,12 +16,12 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.gpu_proxies import Collectives  # noqa: E402
-from minigdpo import dist, policy  # noqa: E402
+from minigdpo import dist, models, policy  # noqa: E402
 from tests.test_policy import batches, model_logprobs  # noqa: E402
 
 
 def main(out):
-    path = policy.resolve_model("tiny-random")  # before the group: transformers saves on rank 0 only with one
+    path = models.resolve_model("tiny-random")  # before the group: transformers saves on rank 0 only with one
     device = dist.init()
     (mb,) = batches(3, size=6, prompts=2)                                  # 2 prompts x 3 completions
     result, grads = {}, {}

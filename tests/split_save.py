@@ -14,18 +14,18 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from minigdpo import checkpoint, dist, policy  # noqa: E402
+from minigdpo import checkpoint, dist, models, policy  # noqa: E402
 
 
 def main(root):
-    path = policy.resolve_model("tiny-random")  # before the group: transformers saves on rank 0 only with one
+    path = models.resolve_model("tiny-random")  # before the group: transformers saves on rank 0 only with one
     device = dist.init()
     model = policy.build(path, device, torch.float32)
     opt = policy.optimizer(model, 1e-3, 0.0)
     sched = policy.scheduler(opt, 10, 0.0, "constant")
     out = os.path.join(root, f"rank{dist.rank()}")
     try:
-        line = "saved " + checkpoint.save(out, 1, model, opt, sched, policy.load_tokenizer(path),
+        line = "saved " + checkpoint.save(out, 1, model, opt, sched, models.load_tokenizer(path),
                                           {"cursor": 0, "derived": {"world_size": 2}}, torch.float32, keep=2)
     except checkpoint.CheckpointError as e:
         line = f"error: {e}"

@@ -65,14 +65,15 @@ def hf_weights(out, step):
 # NCCL's device rule -------------------------------------------------------------------------------
 
 def project_files():
+    """The trainer's code; benchmarks and tests probe FSDP2's and gloo's internals to measure them."""
     files = [os.path.join(ROOT, f) for f in ("train.py", "eval.py")]
-    for folder in ("minigdpo", "rewards", "benchmarks", "examples"):
+    for folder in ("minigdpo", "rewards", "examples"):
         files += glob.glob(os.path.join(ROOT, folder, "*.py"))
     return files
 
 
 def test_only_dist_py_touches_torch_distributed():
-    """dist.py is the one door to collectives, so its placement rule covers the whole project."""
+    """dist.py is the one door to collectives, so its placement rule covers the whole trainer."""
     offenders = []
     for path in project_files():
         if path.endswith(os.path.join("minigdpo", "dist.py")):
@@ -103,9 +104,9 @@ STEPS4 = ["train.py"] + SMOKE + ["--max-steps", "4", "--save-every", "1", "--kee
 
 
 @pytest.mark.parametrize("fault,rank", [
-    ("enospc@2", "1"),        # rank 1's write fails while rank 0 is in its Hugging Face export
-    ("enospc@2", "0"),        # rank 0's export fails while rank 1 goes on to the sharded state
-    ("enospc_state@2", "1"),  # rank 1's shard of the sharded state cannot be written
+    ("hf@2:enospc", "1"),     # rank 1 fails in the Hugging Face export, which rank 0 writes
+    ("hf@2:enospc", "0"),     # rank 0's export fails while rank 1 is ready for the sharded state
+    ("state@2:enospc", "1"),  # rank 1's part of the sharded state cannot be written
 ])
 def test_a_save_failing_on_one_rank_stops_every_rank_within_seconds(tmp_path, fault, rank):
     out = str(tmp_path / "run")
@@ -126,7 +127,7 @@ def test_a_save_failing_on_one_rank_can_continue_on_every_rank(tmp_path):
     out = str(tmp_path / "run")
     (result,), _ = launch([(torchrun(1, 0, 2, free_port(), STEPS4 + ["--output-dir", out, "--on-save-error",
                                                                        "continue"]), ROOT)],
-                          env={"MINIGDPO_FAULT": "enospc@2", "MINIGDPO_FAULT_RANK": "1"}, timeout=150)
+                          env={"MINIGDPO_FAULT": "hf@2:enospc", "MINIGDPO_FAULT_RANK": "1"}, timeout=150)
     assert result[0] == 0, result[2][-3000:]
     assert sorted(os.listdir(os.path.join(out, "checkpoints"))) == ["step_000001", "step_000003", "step_000004"]
 
@@ -208,7 +209,7 @@ def test_two_nodes_sharing_an_output_dir_train_save_kill_and_resume(tmp_path):
     args = [os.path.join(ROOT, "train.py")] + STEPS4[1:]
     cwds = [str(tmp_path), str(tmp_path)]
     killed, _ = launch(two_nodes(args + ["--output-dir", shared], cwds), timeout=150,
-                       env={"MINIGDPO_FAULT": "before_save@3", "MINIGDPO_FAULT_RANK": "1"})
+                       env={"MINIGDPO_FAULT": "prepare@3", "MINIGDPO_FAULT_RANK": "1"})
     assert all(rc != 0 for rc, _, _ in killed)
     assert "step_000003" not in os.listdir(os.path.join(shared, "checkpoints"))
     resumed, _ = launch(two_nodes(args + ["--output-dir", shared, "--resume"], cwds), timeout=150)
@@ -262,23 +263,28 @@ def test_bf16_on_two_ranks_trains_saves_and_resumes(tmp_path):
 
 
 CLEANUP_CHECK = r"""
-import sys, torch.distributed, train
-from minigdpo import dist
+import os, sys, torch.distributed, train
+
+
+def group_threads():  # gloo's pt_gloo_runloop worker threads still alive in this process (Linux)
+    return sum(open(f"/proc/self/task/{t}/comm").read().strip() == "pt_gloo_runloop" for t in os.listdir("/proc/self/task"))
+
+
 try:
     train.main(sys.argv[1:])
 except (SystemExit, Exception) as e:
     sys.stdout.write(f"exited: {type(e).__name__}\n")
 # One write: ranks share the pipe. The group's worker threads must be gone too: one alive at
 # interpreter exit can abort the process (dist.cleanup says how).
-sys.stdout.write(f"group alive: {torch.distributed.is_initialized()}, worker threads: {dist.group_threads()}\n")
+sys.stdout.write(f"group alive: {torch.distributed.is_initialized()}, worker threads: {group_threads()}\n")
 """
 
 
 @pytest.mark.parametrize("nproc,flags,fault", [
     (2, ["--max-steps", "2"], None),             # the normal end
     (2, ["--batch-size", "12"], None),           # a config error found once the world size is known
-    (1, ["--save-every", "1"], "enospc@1"),      # a failed save that stops the run
-    (2, ["--save-every", "1"], "enospc@1"),      # the same on 2 ranks (rank 0's save fails)
+    (1, ["--save-every", "1"], "hf@1:enospc"),   # a failed save that stops the run
+    (2, ["--save-every", "1"], "hf@1:enospc"),   # the same on 2 ranks (rank 0's save fails)
 ])
 def test_every_exit_destroys_the_process_group_and_its_threads(tmp_path, nproc, flags, fault):
     script = tmp_path / "check.py"

@@ -9,8 +9,10 @@ import math
 import pytest
 import torch
 
-from minigdpo.advantages import ESTIMATORS, NAIVE
-from minigdpo.collapse import count_distinct, distinct_per_group, distinct_rows, enumerate_groups, main
+from minigdpo.advantages import ESTIMATORS
+from minigdpo.advantages_naive import NAIVE
+from minigdpo.advantages import distinct_per_group
+from minigdpo.collapse import count_distinct, distinct_rows, enumerate_groups, main
 
 
 @pytest.mark.parametrize("G", range(2, 9))

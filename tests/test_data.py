@@ -9,6 +9,7 @@ import os
 import pytest
 
 from minigdpo.data import DataError, read_rows
+from minigdpo import models
 from rewards import PromptOrder, encode_prompt, load_task
 from rewards.arith import generate as arith_examples
 from rewards.gsm8k import correct_reward
@@ -96,9 +97,8 @@ def test_prompt_order_is_seeded_resumable_and_covers_each_epoch():
 
 
 def test_encode_prompt_cuts_from_the_left():
-    from minigdpo import policy
 
-    tok = policy.tiny_tokenizer()
+    tok = models.tiny_tokenizer()
     ids = encode_prompt(tok, [{"role": "user", "content": "x" * 100}], 20)
     assert len(ids) == 20 and tok.decode(ids).endswith("<|im_start|>assistant\n")
 

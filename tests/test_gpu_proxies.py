@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from benchmarks.gpu_proxies import MatmulFlops
-from minigdpo import policy
+from minigdpo import logprobs, models, policy
+from minigdpo.update import fill_logprobs
 
 
 def naive_head(hidden, weight, targets):
@@ -28,7 +29,7 @@ def test_head_weight_gradient_runs_in_the_compute_dtype_with_fp32_accumulation()
     targets = torch.randint(0, V, (K,), generator=g)
     coef = torch.randn(K, generator=g)
     with MatmulFlops() as flops:
-        logp, _ = policy.chunked_logprobs(hidden, weight, targets, chunk=chunk)
+        logp, _ = logprobs.chunked_logprobs(hidden, weight, targets, chunk=chunk)
         (logp * coef).sum().backward()
     assert flops.flops.get(torch.float32, 0) == 0, flops.fp32_shapes  # every (V, H)-sized matmul in bf16
     assert weight.grad.dtype == torch.bfloat16
@@ -40,21 +41,20 @@ def test_head_weight_gradient_runs_in_the_compute_dtype_with_fp32_accumulation()
 
 
 def test_reference_pass_leaves_only_its_shards_resident(process_group):
-    import train
     from benchmarks.gpu_proxies import resident_bytes, step_cfg
     from tests.test_policy import batches
 
-    path = policy.resolve_model("tiny-random")
+    path = models.resolve_model("tiny-random")
     cfg = step_cfg(SimpleNamespace(chunk=4, completion_len=8))
     for offload in (False, True):
         ref = policy.build(path, process_group, torch.bfloat16, frozen=True, offload=offload)
         mbs = batches(0, size=3)
         shards, _ = resident_bytes(ref)
-        train.fill_logprobs(ref, mbs, "ref_logp", cfg, reshard=True)
+        fill_logprobs(ref, mbs, "ref_logp", cfg, reshard=True)
         total, whole = resident_bytes(ref)
         assert (total, whole) == (shards, 0)
         before = [mb["ref_logp"] for mb in mbs]
-        train.fill_logprobs(ref, mbs, "ref_logp", cfg, reshard=True)  # a second pass gathers again, the same
+        fill_logprobs(ref, mbs, "ref_logp", cfg, reshard=True)  # a second pass gathers again, the same
         assert all(torch.equal(a, mb["ref_logp"]) for a, mb in zip(before, mbs))
 
 
@@ -67,16 +67,16 @@ def test_export_keeps_the_source_checkpoints_dtype(process_group, tmp_path):
 
     from minigdpo import checkpoint
 
-    tiny = policy.resolve_model("tiny-random")
+    tiny = models.resolve_model("tiny-random")
     source = str(tmp_path / "bf16-source")  # a checkpoint stored in bf16, as Qwen2.5's are
-    policy.load_model(tiny).to(torch.bfloat16).save_pretrained(source)
-    tok = policy.load_tokenizer(tiny)
+    models.load_model(tiny).to(torch.bfloat16).save_pretrained(source)
+    tok = models.load_tokenizer(tiny)
     tok.save_pretrained(source)
-    assert policy.source_dtype(source) == torch.bfloat16 and policy.source_dtype(tiny) == torch.float32
+    assert models.source_dtype(source) == torch.bfloat16 and models.source_dtype(tiny) == torch.float32
     model = policy.build(source, process_group, torch.float32)  # fp32 master weights
     opt = policy.optimizer(model, 1e-2, 0.0)
     where = checkpoint.save(str(tmp_path / "run"), 1, model, opt, policy.scheduler(opt, 2, 0.0, "constant"), tok,
-                            {"cursor": 0}, policy.source_dtype(source), keep=1)
+                            {"cursor": 0}, models.source_dtype(source), keep=1)
     hf = os.path.join(where, "hf")
     with open(os.path.join(hf, "config.json")) as f:
         assert json.load(f)["dtype"] == "bfloat16"
@@ -84,9 +84,9 @@ def test_export_keeps_the_source_checkpoints_dtype(process_group, tmp_path):
         assert {f.get_slice(k).get_dtype() for k in f.keys()} == {"BF16"}
     loaded = AutoModelForCausalLM.from_pretrained(hf)
     assert loaded.dtype == torch.bfloat16
-    live = dict(policy.hf_state(model))
+    live = dict(model.hf_state())
     for name, t in loaded.state_dict().items():
-        torch.testing.assert_close(t, live[policy.tied_names(model).get(name, name)].bfloat16(), rtol=0, atol=0)
+        torch.testing.assert_close(t, live[model.tied_names().get(name, name)].bfloat16(), rtol=0, atol=0)
 
 
 def test_hf_sampler_syncs_the_host_once_per_16_tokens_with_identical_output():
@@ -94,8 +94,8 @@ def test_hf_sampler_syncs_the_host_once_per_16_tokens_with_identical_output():
     from minigdpo.sampler import HFSampler, SamplingParams, sync_every
 
     assert sync_every(torch.device("cpu")) == 1  # on the CPU a check is free and extra steps are not
-    path = policy.resolve_model("tiny-random")
-    lm = policy.load_model(path)
+    path = models.resolve_model("tiny-random")
+    lm = models.load_model(path)
     prompts = [[10, 11, 12, 13, 14, 15], [20], [30, 31, 32]]  # left padding: the decode steps need a mask
     counts = []
     for length in (16, 48):
@@ -120,9 +120,9 @@ def test_hf_sampler_syncs_the_host_once_per_16_tokens_with_identical_output():
 def test_hf_sampler_loads_weights_asleep_straight_onto_its_device():
     from minigdpo.sampler import HFSampler
 
-    path = policy.resolve_model("tiny-random")
-    sampler = HFSampler(policy.load_model(path), [256], 257, torch.device("cpu"))
-    new = {k: torch.randn_like(v) for k, v in policy.load_model(path).state_dict().items() if k != "lm_head.weight"}
+    path = models.resolve_model("tiny-random")
+    sampler = HFSampler(models.load_model(path), [256], 257, torch.device("cpu"))
+    new = {k: torch.randn_like(v) for k, v in models.load_model(path).state_dict().items() if k != "lm_head.weight"}
     sampler.offloaded = True  # as after sleep() on an accelerator: the host copy is about to be replaced
     sampler.load_weights(new.items())
     assert not sampler.offloaded  # awake already: wake() has no whole-model copy left to make
@@ -133,8 +133,8 @@ def test_hf_sampler_loads_weights_asleep_straight_onto_its_device():
 def test_build_reads_only_shards_into_a_meta_model_with_the_same_weights(process_group, monkeypatch):
     from tests.test_policy import batches, model_logprobs
 
-    path = policy.resolve_model("tiny-random")
-    whole = policy.LogProbModel(policy.load_model(path))  # the oracle: every weight loaded the usual way
+    path = models.resolve_model("tiny-random")
+    whole = logprobs.LogProbModel(models.load_model(path))  # the oracle: every weight loaded the usual way
     (mb,) = batches(5)
     want = model_logprobs(whole, mb, 0.8, 4)
 
@@ -144,9 +144,9 @@ def test_build_reads_only_shards_into_a_meta_model_with_the_same_weights(process
     monkeypatch.setattr(policy, "load_model", no_whole_load)
     for frozen, dtype in ((False, torch.float32), (True, torch.float32), (True, torch.bfloat16)):
         model = policy.build(path, process_group, dtype, frozen=frozen)
-        live = dict(policy.hf_state(model))
+        live = dict(model.hf_state())
         for name, t in whole.lm.state_dict().items():
-            if name not in policy.tied_names(model):
+            if name not in model.tied_names():
                 torch.testing.assert_close(live[name], t.to(dtype), rtol=0, atol=0)
         for name, b in whole.lm.named_buffers():  # rotary tables are computed, not read
             torch.testing.assert_close(model.lm.get_buffer(name), b, rtol=0, atol=0)

@@ -14,7 +14,7 @@ import torch
 from safetensors.torch import load_file
 
 from conftest import read_jsonl, refused, run
-from minigdpo import checkpoint, config, dist, lora, policy
+from minigdpo import checkpoint, config, dist, logprobs, lora, models, policy
 from minigdpo.sampler import HFSampler, SamplingParams
 from test_policy import batches, model_logprobs
 
@@ -27,8 +27,8 @@ SMOKE = ["train.py", "--preset", "smoke", "--rewards", "tests.helpers:digit_frac
 
 @pytest.fixture(scope="module")
 def tiny():
-    path = policy.resolve_model("tiny-random")
-    return path, policy.load_tokenizer(path)
+    path = models.resolve_model("tiny-random")
+    return path, models.load_tokenizer(path)
 
 
 def full(model):
@@ -96,7 +96,7 @@ def test_a_reference_pass_first_keeps_fp32_gradient_accumulation(tiny, process_g
         (-model_logprobs(model, mb).sum()).backward()
         alone.append(adapter_grads())
     model.zero_grad()
-    for i, mb in enumerate(mbs):  # as train.update accumulates: one reduction, after the last micro-batch
+    for i, mb in enumerate(mbs):  # as the update accumulates: one reduction, after the last micro-batch
         dist.reduce_gradients(model, reduce_scatter=i == 1, all_reduce=i == 1)
         (-model_logprobs(model, mb).sum()).backward()
     together = adapter_grads()
@@ -124,18 +124,18 @@ def test_adapters_off_is_the_base_model(tiny, process_group):
 def test_merged_weights_reproduce_the_adapted_model(tiny, process_group):
     path, tok = tiny
     model, _ = trained(path, process_group)
-    merged = dict(policy.hf_state(model))
-    plain = policy.load_model(path)
+    merged = dict(model.hf_state())
+    plain = models.load_model(path)
     assert set(merged) == set(plain.state_dict()) - {"lm_head.weight"}  # base names, tied head once
     plain.load_state_dict(merged, strict=False)
     mb = batches(5)[0]
     with torch.no_grad():
         want = model_logprobs(model, mb)
-        got = policy.LogProbModel(plain)(mb["prompt_ids"], mb["prompt_mask"], mb["repeats"], mb["completion_ids"], mb["mask"])
+        got = logprobs.LogProbModel(plain)(mb["prompt_ids"], mb["prompt_mask"], mb["repeats"], mb["completion_ids"], mb["mask"])
     torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
     # The HF sampler's log-probs of what it samples with the merged weights equal the trainer's on the same tokens.
-    sampler = HFSampler(policy.load_model(path), [256], tok.pad_token_id, process_group, tok)
-    sampler.load_weights(policy.hf_state(model))
+    sampler = HFSampler(models.load_model(path), [256], tok.pad_token_id, process_group, tok)
+    sampler.load_weights(model.hf_state())
     groups = sampler.generate([[10, 11, 12], [20, 21]], 2, SamplingParams(temperature=1.0, max_new_tokens=6, seed=1))
     for prompt, group in zip([[10, 11, 12], [20, 21]], groups):
         for c in group:
@@ -157,11 +157,11 @@ def test_fake_vllm_engine_receives_merged_weights_under_base_names(tiny, process
     path, tok = tiny
     model, _ = trained(path, process_group)
     sampler = VLLMSampler(path, tok, [256], seed=3, max_model_len=128)
-    sampler.load_weights(policy.hf_state(model))
+    sampler.load_weights(model.hf_state())
     engine = fake_vllm.LLM.instances[-1]
-    hf = policy.load_model(path).state_dict()
+    hf = models.load_model(path).state_dict()
     assert dict(engine.model.received) == {k: tuple(v.shape) for k, v in hf.items() if k != "lm_head.weight"}
-    merged = dict(policy.hf_state(model))
+    merged = dict(model.hf_state())
     layer = "model.layers.1."
     q, v = merged[layer + "self_attn.q_proj.weight"], merged[layer + "self_attn.v_proj.weight"]
     torch.testing.assert_close(engine.model.params[layer + "self_attn.qkv_proj.weight"],
@@ -186,16 +186,16 @@ def test_adapter_checkpoint_loads_with_peft_and_the_merged_export_with_transform
     mb = batches(3)[0]
     with torch.no_grad():
         want = model_logprobs(model, mb)
-        for lm in (PeftModel.from_pretrained(policy.load_model(path), adapter).get_base_model(),  # adapters in place
+        for lm in (PeftModel.from_pretrained(models.load_model(path), adapter).get_base_model(),  # adapters in place
                    AutoModelForCausalLM.from_pretrained(os.path.join(where, "hf"))):
-            got = policy.LogProbModel(lm)(mb["prompt_ids"], mb["prompt_mask"], mb["repeats"], mb["completion_ids"], mb["mask"])
+            got = logprobs.LogProbModel(lm)(mb["prompt_ids"], mb["prompt_mask"], mb["repeats"], mb["completion_ids"], mb["mask"])
             torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
     # Without the export, hf/ is absent and eval.py merges base + adapter itself.
     where = checkpoint.save(str(tmp_path), 2, model, opt, sched, tok, {"cursor": 0}, torch.float32, keep=2, export_hf=False)
     assert sorted(os.listdir(where)) == ["COMPLETE", "adapter", "rng", "state", "trainer.json"]
     out = lora.merge_adapter_dir(os.path.join(where, "adapter"), str(tmp_path / "merged"))
     merged = AutoModelForCausalLM.from_pretrained(out).state_dict()
-    for name, t in policy.hf_state(model):
+    for name, t in model.hf_state():
         torch.testing.assert_close(merged[name], t, rtol=0, atol=1e-6)
 
 
@@ -245,7 +245,7 @@ def test_update_on_two_ranks_equals_one_rank(tmp_path):
     assert a["stats"]["kl"] < 1e-7 and b["stats"]["kl"] < 1e-7  # B starts at 0: the first pass is the base model
     for key in ["loss", "kl", "loss/pg", "grad_norm"]:
         assert a["stats"][key] == pytest.approx(b["stats"][key], rel=1e-4, abs=1e-6), key
-    base = policy.load_model(policy.resolve_model("tiny-random")).state_dict()
+    base = models.load_model(models.resolve_model("tiny-random")).state_dict()
     moved = [n for n in a["params"] if not torch.equal(a["params"][n], base[n])]
     assert moved and all(n.endswith(("q_proj.weight", "v_proj.weight", "down_proj.weight")) for n in moved)
     for name, t in a["params"].items():
@@ -261,7 +261,7 @@ def test_two_rank_run_trains_saves_and_merges(tmp_path):
     step = os.path.join(out, "checkpoints", "step_000002")
     from peft import PeftModel
 
-    merged = PeftModel.from_pretrained(policy.load_model(policy.resolve_model("tiny-random")),
+    merged = PeftModel.from_pretrained(models.load_model(models.resolve_model("tiny-random")),
                                        os.path.join(step, "adapter")).merge_and_unload().state_dict()
     export = load_file(os.path.join(step, "hf", "model.safetensors"))
     for name, t in export.items():

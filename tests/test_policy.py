@@ -9,15 +9,15 @@ import os
 import pytest
 import torch
 
-from minigdpo import checkpoint, policy
+from minigdpo import checkpoint, dist, logprobs, models, policy
 from minigdpo.sampler import Completion, HFSampler, SamplingParams, sample_next
-from train import micro_batches, model_tokens
+from minigdpo.update import micro_batches, model_tokens
 
 
 @pytest.fixture(scope="module")
 def tiny():
-    path = policy.resolve_model("tiny-random")
-    return path, policy.load_tokenizer(path)
+    path = models.resolve_model("tiny-random")
+    return path, models.load_tokenizer(path)
 
 
 def full_sequences(mb):
@@ -29,11 +29,9 @@ def full_sequences(mb):
 
 
 def naive_logprobs(lm, mb, temperature=1.0):
-    ids, attn = full_sequences(mb)
-    T = mb["mask"].shape[1]
-    pos = (attn.cumsum(-1) - 1).clamp(min=0)
-    logits = lm(input_ids=ids, attention_mask=attn, position_ids=pos).logits[:, -T - 1:-1].float() / temperature
-    return torch.log_softmax(logits, -1).gather(-1, ids[:, -T:, None]).squeeze(-1) * mb["mask"]
+    """The package's textbook reference (logprobs.naive_logprobs), the oracle of the fast path."""
+    return logprobs.naive_logprobs(lm, mb["prompt_ids"], mb["prompt_mask"], mb["repeats"], mb["completion_ids"],
+                                   mb["mask"], temperature)
 
 
 G = 3
@@ -54,8 +52,13 @@ def batches(seed=0, size=8, prompts=2):
 
 
 def model_logprobs(model, mb, temperature=1.0, chunk=1024, entropy=False, share_prefix=True):
-    return model(mb["prompt_ids"], mb["prompt_mask"], mb["repeats"], mb["completion_ids"], mb["mask"], temperature,
-                 chunk, entropy, share_prefix)
+    """LogProbModel's log-probs; share_prefix=False runs full sequences although the model could share."""
+    shares, model.shares_prefix = model.shares_prefix, model.shares_prefix and share_prefix
+    try:
+        return model(mb["prompt_ids"], mb["prompt_mask"], mb["repeats"], mb["completion_ids"], mb["mask"], temperature,
+                     chunk, entropy)
+    finally:
+        model.shares_prefix = shares
 
 
 def assert_same_values_and_gradients(lm, got, want):
@@ -73,8 +76,8 @@ def assert_same_values_and_gradients(lm, got, want):
 @pytest.mark.parametrize("chunk,share_prefix", [(1, True), (3, True), (1024, True), (3, False)])
 def test_chunked_logprobs_equal_naive_values_and_gradients(tiny, chunk, share_prefix):
     path, _ = tiny
-    lm = policy.load_model(path)
-    model = policy.LogProbModel(lm)
+    lm = models.load_model(path)
+    model = logprobs.LogProbModel(lm)
     (mb,) = batches()
     got = model_logprobs(model, mb, 0.7, chunk, share_prefix=share_prefix)
     want = naive_logprobs(lm, mb, 0.7)
@@ -91,7 +94,7 @@ def test_shared_prefix_pass_equals_full_sequences_for_each_supported_model_type(
     config._attn_implementation = attn
     torch.manual_seed(0)
     lm = AutoModelForCausalLM.from_config(config)
-    model = policy.LogProbModel(lm)
+    model = logprobs.LogProbModel(lm)
     assert model.shares_prefix
     (mb,) = batches(seed=7)
     got = model_logprobs(model, mb, 0.8, 5)
@@ -107,7 +110,7 @@ def test_models_the_shared_prefix_pass_does_not_cover_run_full_sequences():
                                   sliding_window=4, max_window_layers=0)
     lm = AutoModelForCausalLM.from_config(config)
     assert "sliding_attention" in config.layer_types
-    model = policy.LogProbModel(lm)
+    model = logprobs.LogProbModel(lm)
     assert not model.shares_prefix  # its own forward masks some layers to a window
     (mb,) = batches(seed=7)
     torch.testing.assert_close(model_logprobs(model, mb), naive_logprobs(lm, mb), atol=1e-5, rtol=0)
@@ -115,10 +118,10 @@ def test_models_the_shared_prefix_pass_does_not_cover_run_full_sequences():
 
 def test_entropy_matches_the_full_distribution(tiny):
     path, _ = tiny
-    lm = policy.load_model(path)
+    lm = models.load_model(path)
     (mb,) = batches(1)
     with torch.no_grad():
-        _, ent = model_logprobs(policy.LogProbModel(lm), mb, 1.0, 4, entropy=True)
+        _, ent = model_logprobs(logprobs.LogProbModel(lm), mb, 1.0, 4, entropy=True)
         T = mb["mask"].shape[1]
         ids, attn = full_sequences(mb)
         pos = (attn.cumsum(-1) - 1).clamp(min=0)
@@ -129,7 +132,7 @@ def test_entropy_matches_the_full_distribution(tiny):
 
 def test_sampler_logprobs_match_a_full_forward_and_stop_per_sequence(tiny):
     path, tok = tiny
-    lm = policy.load_model(path)
+    lm = models.load_model(path)
     prompts = [[10, 11, 12, 13, 14, 15], [20], [30, 31, 32]]
     stop = [65, 66, 67, 68, 69, 70]  # frequent enough in 30 random bytes to stop some sequences early
     sampler = HFSampler(lm, stop, tok.pad_token_id, torch.device("cpu"))
@@ -156,7 +159,7 @@ def test_sampler_prefills_a_shared_prefix_once_with_the_same_completions(tiny):
     """Prompts that share a system prompt: the prefix runs once, the rest per prompt after it (padding in
     between), and every completion and log-prob is what the prompt gets alone, within float tolerance."""
     path, tok = tiny
-    lm = policy.load_model(path)
+    lm = models.load_model(path)
     prefix = list(range(40, 60))
     prompts = [prefix + [10, 11, 12], prefix + [20], prefix + [30, 31, 32, 33, 34, 35], prefix[:12] + [99]]
     sampler = HFSampler(lm, [65, 66, 67], tok.pad_token_id, torch.device("cpu"))
@@ -201,15 +204,15 @@ def test_checkpoint_loads_with_from_pretrained_and_sync_streams_every_weight(tin
     where = checkpoint.save(str(tmp_path), 1, model, opt, sched, tok, {"cursor": 0}, torch.float32, keep=2)
     assert checkpoint.latest(str(tmp_path)) == where
     loaded = AutoModelForCausalLM.from_pretrained(os.path.join(where, "hf"))
-    live = dict(policy.hf_state(model))
-    assert "lm_head.weight" not in live and policy.tied_names(model) == {"lm_head.weight": "model.embed_tokens.weight"}
+    live = dict(model.hf_state())
+    assert "lm_head.weight" not in live and model.tied_names() == {"lm_head.weight": "model.embed_tokens.weight"}
     for name, t in loaded.state_dict().items():
-        torch.testing.assert_close(t, live[policy.tied_names(model).get(name, name)], rtol=0, atol=0)
+        torch.testing.assert_close(t, live[model.tied_names().get(name, name)], rtol=0, atol=0)
     # the sampler's copy follows the trained weights through load_weights
-    sampler = HFSampler(policy.load_model(path), [256], 257, device)
-    sampler.load_weights(policy.hf_state(model))
+    sampler = HFSampler(models.load_model(path), [256], 257, device)
+    sampler.load_weights(model.hf_state())
     for name, t in sampler.model.state_dict().items():
-        torch.testing.assert_close(t, live[policy.tied_names(model).get(name, name)], rtol=0, atol=0)
+        torch.testing.assert_close(t, live[model.tied_names().get(name, name)], rtol=0, atol=0)
     from minigdpo.sampler import WeightSyncError
 
     with pytest.raises(WeightSyncError, match="sent 'nope', which the sampler's model does not have"):
@@ -228,11 +231,17 @@ def test_partial_checkpoints_are_ignored_and_removed(tmp_path):
     assert sorted(os.listdir(base)) == ["step_000002"]
 
 
+def rows_of(mb):
+    """Each row's completion tokens, as a tuple."""
+    return [tuple(ids[m.bool()].tolist()) for ids, m in zip(mb["completion_ids"], mb["mask"])]
+
+
 def test_micro_batches_hold_each_prompt_once_and_cover_every_sequence():
-    mbs = batches(3, size=4, prompts=3)  # 9 sequences in groups of 3, micro-batches of 4: groups get split
-    assert sorted(i for mb in mbs for i in mb["index"]) == list(range(9))
+    ps, comps = random_batch(3, prompts=3)  # 9 sequences in groups of 3, micro-batches of 4: groups get split
+    mbs = micro_batches(ps, comps, torch.zeros(len(comps)), 4, 257, torch.device("cpu"), G)
+    assert sorted(r for mb in mbs for r in rows_of(mb)) == sorted(tuple(c.token_ids) for c in comps)
     for mb in mbs:
-        assert int(mb["repeats"].sum()) == len(mb["index"]) == mb["completion_ids"].shape[0]
+        assert int(mb["repeats"].sum()) == mb["completion_ids"].shape[0]
         assert mb["prompt_ids"].shape[0] == len(mb["repeats"])
     lengths = [mb["prompt_mask"].sum(-1).tolist() for mb in mbs]
     flat = [x for ls in lengths for x in ls]
@@ -245,7 +254,8 @@ def test_model_tokens_count_a_shared_prompt_once():
     completion_tokens = sum(len(c.token_ids) for c in comps)
     assert model_tokens(mbs, shared=False) == sum(len(p) for p in ps) + completion_tokens
     # each micro-batch runs each of its distinct prompts once
-    assert model_tokens(mbs, shared=True) == sum(len(ps[i]) for mb in mbs for i in {j // G * G for j in mb["index"]}) \
+    owner = {tuple(c.token_ids): i // G * G for i, c in enumerate(comps)}  # a completion's prompt
+    assert model_tokens(mbs, shared=True) == sum(len(ps[i]) for mb in mbs for i in {owner[r] for r in rows_of(mb)}) \
         + completion_tokens
 
 
@@ -259,7 +269,7 @@ def test_stop_tokens_merge_every_declared_eos(tiny):
     from types import SimpleNamespace
 
     _, tok = tiny
-    ids = policy.stop_token_ids(SimpleNamespace(eos_token_id=5), SimpleNamespace(eos_token_id=[7, 5]), tok)
+    ids = models.stop_token_ids(SimpleNamespace(eos_token_id=5), SimpleNamespace(eos_token_id=[7, 5]), tok)
     assert ids == sorted({5, 7, tok.eos_token_id})
 
 
@@ -324,7 +334,7 @@ def test_a_frozen_head_costs_no_weight_gradient():
     flops, grads = {}, {}
     for trainable in (True, False):
         h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_(trainable)
-        logp, _ = policy.chunked_logprobs(h, w, targets, 0.7, chunk=4)
+        logp, _ = logprobs.chunked_logprobs(h, w, targets, 0.7, chunk=4)
         with OpRecorder() as rec:
             logp.sum().backward()
         flops[trainable], grads[trainable] = rec.matmul_flops(), h.grad
@@ -343,7 +353,7 @@ def test_head_logits_are_never_rounded_to_bf16():
     weight = torch.empty(V, H, dtype=torch.bfloat16, device="meta", requires_grad=True)
     targets = torch.zeros(K, dtype=torch.long, device="meta")
     with OpRecorder() as rec:
-        logp, _ = policy.chunked_logprobs(hidden, weight, targets, 0.7, chunk=4, entropy=False)
+        logp, _ = logprobs.chunked_logprobs(hidden, weight, targets, 0.7, chunk=4, entropy=False)
         logp.sum().backward()
     logits = [out for name, _, out in rec.ops if name == "mm" and out[0][-1:] == (V,)]  # (k, V) products
     assert len(logits) == 4 and all(dtype == torch.float32 for _, dtype in logits), logits  # 2 chunks, twice
@@ -354,7 +364,7 @@ def test_the_optimizer_receives_gradients_clipped_to_max_grad_norm(tiny, process
     at most that value (AdamW's first step would hide their scale, so the gradients are checked, not the
     weights), while the logged grad_norm is the norm before clipping."""
     from minigdpo.config import Config
-    from train import update
+    from minigdpo.update import update
 
     model = policy.build(tiny[0], process_group, torch.float32)
     norms = []
@@ -378,3 +388,27 @@ def test_the_optimizer_receives_gradients_clipped_to_max_grad_norm(tiny, process
     totals = update(model, Recording(), type("S", (), {"step": lambda self: None})(), batches, cfg, tokens, len(comps))
     assert totals["grad_norm"].item() > 1e-2                 # clipping had work to do
     assert len(norms) == 1 and norms[0] <= 1e-3 * (1 + 1e-4), norms
+
+
+def test_the_shared_prefix_pass_composes_with_gradient_checkpointing(tiny, process_group):
+    """--grad-checkpointing (both A100 presets) keeps the shared-prefix pass: each layer_pair call is
+    checkpointed as a whole, so it runs once more in the backward, and values and gradients stay the
+    textbook ones."""
+    model = policy.build(tiny[0], process_group, torch.float32, grad_checkpointing=True)
+    assert model.shares_prefix and model.lm.is_gradient_checkpointing
+    calls = []
+    for layer in logprobs.decoder_layers(model.lm):
+        pair = layer.layer_pair
+        layer.layer_pair = lambda *a, _pair=pair, **k: calls.append(1) or _pair(*a, **k)
+    (mb,) = batches(seed=11)
+    got = model_logprobs(model, mb, 0.7, 4)
+    forward_calls = len(calls)
+    plain = models.load_model(tiny[0])
+    plain.train()
+    want = naive_logprobs(plain, mb, 0.7)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
+    (got * torch.arange(got.shape[1])).sum().backward()
+    (want * torch.arange(want.shape[1])).sum().backward()
+    assert forward_calls == 2 and len(calls) == 4  # 2 layers, each run again in the backward
+    for (name, p), q in zip(model.lm.named_parameters(), plain.parameters()):
+        torch.testing.assert_close(dist.full_tensor(p.grad), q.grad, atol=1e-5, rtol=1e-4, msg=name)

@@ -14,9 +14,9 @@ import torch
 from safetensors.torch import load_file
 
 from conftest import read_jsonl, refused, run
-from minigdpo import config
+from minigdpo import config, models
 from minigdpo.advantages import ESTIMATORS
-from minigdpo.loss import policy_loss
+from minigdpo.update import policy_loss
 from minigdpo.sampler import Completion
 
 BASE = ["train.py", "--preset", "smoke", "--max-steps", "4", "--save-every", "1", "--keep-checkpoints", "5",
@@ -46,11 +46,11 @@ def uninterrupted(tmp_path_factory):
 
 
 @pytest.mark.parametrize("nproc,fault,rank", [
-    (1, "before_save@3", "0"),          # killed between the update and the save of step 3
-    (1, "after_hf@2", "0"),          # killed inside a checkpoint write: weights written, state not
-    (1, "before_rename@3", "0"),     # killed with a complete but unrenamed checkpoint
-    (2, "before_save@3", "1"),          # rank 1 dies; torchrun takes rank 0 down with it
-    (2, "after_state@2", "0"),       # rank 0 dies after the sharded state, before COMPLETE
+    (1, "prepare@3", "0"),   # killed between the update and the save of step 3
+    (1, "state@2", "0"),     # killed inside a checkpoint write: weights written, state not
+    (1, "rename@3", "0"),    # killed with a complete but unrenamed checkpoint
+    (2, "prepare@3", "1"),   # rank 1 dies; torchrun takes rank 0 down with it
+    (2, "finish@2", "0"),    # rank 0 dies after the sharded state, before COMPLETE
 ])
 @pytest.mark.slow
 def test_kill_then_resume_reaches_the_uninterrupted_weights(tmp_path, uninterrupted, nproc, fault, rank):
@@ -80,7 +80,7 @@ def test_resuming_from_a_checkpoint_that_lost_a_shard_is_refused_in_one_line(tmp
 @pytest.mark.slow
 def test_injected_full_disk_keeps_the_previous_checkpoint_and_stops_cleanly(tmp_path):
     out = str(tmp_path / "run")
-    proc = run(BASE + ["--output-dir", out], env={"MINIGDPO_FAULT": "enospc@2"}, check=False)
+    proc = run(BASE + ["--output-dir", out], env={"MINIGDPO_FAULT": "hf@2:enospc"}, check=False)
     assert proc.returncode == 1 and "Traceback" not in proc.stderr
     assert "could not write checkpoint" in proc.stderr and "step_000002.partial" in proc.stderr  # names the path
     assert "No space left on device" in proc.stderr and "last complete checkpoint is" in proc.stderr
@@ -91,7 +91,7 @@ def test_injected_full_disk_keeps_the_previous_checkpoint_and_stops_cleanly(tmp_
 @pytest.mark.slow
 def test_injected_full_disk_can_continue(tmp_path):
     out = str(tmp_path / "run")
-    proc = run(BASE + ["--output-dir", out, "--on-save-error", "continue"], env={"MINIGDPO_FAULT": "enospc@2"})
+    proc = run(BASE + ["--output-dir", out, "--on-save-error", "continue"], env={"MINIGDPO_FAULT": "hf@2:enospc"})
     assert "could not write checkpoint" in proc.stderr + proc.stdout
     assert sorted(os.listdir(os.path.join(out, "checkpoints"))) == ["step_000001", "step_000003", "step_000004"]
 
@@ -162,7 +162,7 @@ def test_misbehaving_rewards_do_not_stop_training(tmp_path):
 
 
 def batch_of(completions, prompts=None):
-    from train import micro_batches
+    from minigdpo.update import micro_batches
 
     prompts = prompts or [[1, 2, 3]] * len(completions)
     return micro_batches(prompts, completions, torch.zeros(len(completions)), 4, 257, torch.device("cpu"), len(completions))
@@ -187,20 +187,20 @@ def test_degenerate_batches_give_finite_zero_advantages_and_finite_loss(case):
 
 def test_a_nan_gradient_skips_the_step_and_keeps_the_weights(process_group):
     from minigdpo import policy
-    from train import update
+    from minigdpo.update import update
 
-    path = policy.resolve_model("tiny-random")
+    path = models.resolve_model("tiny-random")
     model = policy.build(path, process_group, torch.float32)
     opt = policy.optimizer(model, 1e-2, 0.0)
     sched = policy.scheduler(opt, 4, 0.0, "constant")
     (mb,) = batch_of([Completion([5, 6], [-1.0, -1.0])] * 2)
     mb["adv"] = torch.tensor([float("nan"), 1.0])
-    before = {k: v.clone() for k, v in policy.hf_state(model)}
+    before = {k: v.clone() for k, v in model.hf_state()}
     cfg = config.Config(num_iterations=1, temperature=1.0, logprob_chunk=64, tis_cap=0.0, clip_low=0.2, clip_high=0.2,
                         beta=0.0, loss_agg="token_mean", max_new_tokens=4, max_grad_norm=1.0, grad_checkpointing=False)
     totals = update(model, opt, sched, [mb], cfg, 4.0, 2)
     assert totals["skipped_steps"] == 1
-    for k, v in policy.hf_state(model):
+    for k, v in model.hf_state():
         assert torch.equal(v, before[k])
 
 
@@ -270,7 +270,7 @@ def test_resume_on_a_node_with_fewer_gpus_restores_the_rng(process_group, tmp_pa
 
     from minigdpo import checkpoint, policy
 
-    path = policy.resolve_model("tiny-random")
+    path = models.resolve_model("tiny-random")
     model = policy.build(path, process_group, torch.float32)
     opt = policy.optimizer(model, 1e-3, 0.0)
     sched = policy.scheduler(opt, 10, 0.0, "constant")
@@ -289,7 +289,7 @@ def test_resume_on_a_node_with_fewer_gpus_restores_the_rng(process_group, tmp_pa
     monkeypatch.setattr(torch.cuda, "get_rng_state_all", lambda: [gpu_state.clone() for _ in range(8)])
     monkeypatch.setattr(torch.cuda, "set_rng_state", set_rng_state)
     monkeypatch.setattr(torch.cuda.random, "set_rng_state", set_rng_state)  # what set_rng_state_all calls
-    where = checkpoint.save(str(tmp_path), 1, model, opt, sched, policy.load_tokenizer(path),
+    where = checkpoint.save(str(tmp_path), 1, model, opt, sched, models.load_tokenizer(path),
                             {"cursor": 0, "derived": {"world_size": 1}}, torch.float32, keep=2)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)           # the resuming node
     checkpoint.load(where, model, opt, sched)

@@ -17,7 +17,7 @@ import torch
 
 import fake_vllm
 from conftest import ROOT, run
-from minigdpo import config, policy, vllm_sampler
+from minigdpo import config, models, policy, vllm_sampler
 from minigdpo.sampler import SamplingParams
 from minigdpo.vllm_sampler import VLLMSampler
 
@@ -36,7 +36,7 @@ def tiny_qwen2(tmp_path, tied):
     """A tiny Qwen2 (attention biases, optionally untied head) saved like a hub checkpoint."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    tok = policy.tiny_tokenizer()
+    tok = models.tiny_tokenizer()
     cfg = Qwen2Config(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                       num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=tied,
                       eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
@@ -48,8 +48,8 @@ def tiny_qwen2(tmp_path, tied):
 
 
 def make(path=None):
-    path = path or policy.resolve_model("tiny-random")
-    return VLLMSampler(path, policy.load_tokenizer(path), [STOP], seed=3, gpu_memory_utilization=0.3, max_model_len=128)
+    path = path or models.resolve_model("tiny-random")
+    return VLLMSampler(path, models.load_tokenizer(path), [STOP], seed=3, gpu_memory_utilization=0.3, max_model_len=128)
 
 
 def forced(pick):
@@ -126,12 +126,12 @@ def test_fake_raises_small_temperatures_to_one_hundredth_and_refuses_large_ones(
 
 @pytest.mark.parametrize("arch,tied", [("llama", True), ("qwen2", True), ("qwen2", False)])
 def test_streamed_names_and_shapes_equal_the_hf_state_dict(vllm, process_group, tmp_path, arch, tied):
-    path = policy.resolve_model("tiny-random") if arch == "llama" else tiny_qwen2(tmp_path, tied)
+    path = models.resolve_model("tiny-random") if arch == "llama" else tiny_qwen2(tmp_path, tied)
     model = policy.build(path, process_group, torch.float32)
     sampler = make(path)
-    sampler.load_weights(policy.hf_state(model))
+    sampler.load_weights(model.hf_state())
     engine = fake_vllm.LLM.instances[-1]
-    hf = policy.load_model(path).state_dict()
+    hf = models.load_model(path).state_dict()
     expected = {k: tuple(v.shape) for k, v in hf.items() if not (tied and k == "lm_head.weight")}
     assert dict(engine.model.received) == expected            # every weight once, HF names, HF shapes
     assert len(engine.model.received) == len(expected)
@@ -158,14 +158,14 @@ def test_engine_arguments(vllm):
 
 
 def test_order_of_sleep_wake_load_and_reset_over_two_steps(vllm, process_group):
-    model = policy.build(policy.resolve_model("tiny-random"), process_group, torch.float32)
+    model = policy.build(models.resolve_model("tiny-random"), process_group, torch.float32)
     sampler = make()
     engine = fake_vllm.LLM.instances[-1]
     for _ in range(2):  # what train.py does each step
         sampler.wake()
         sampler.generate([[1, 2]], 2, SamplingParams(max_new_tokens=2))
         sampler.sleep()
-        sampler.load_weights(policy.hf_state(model))
+        sampler.load_weights(model.hf_state())
     calls = [c for c in engine.calls if c[0] != "load"]
     step = [("sleep", 1), ("reset_prefix_cache",), ("wake_up", ("weights",)), ("reset_prefix_cache",)]
     assert calls == [("generate", 1, 2)] + step + [("wake_up", ("kv_cache",)), ("generate", 1, 2)] + step
@@ -175,11 +175,11 @@ def test_order_of_sleep_wake_load_and_reset_over_two_steps(vllm, process_group):
 
 
 def test_the_engine_serves_the_synced_weights_not_a_stale_copy(vllm, process_group):
-    model = policy.build(policy.resolve_model("tiny-random"), process_group, torch.float32)
+    model = policy.build(models.resolve_model("tiny-random"), process_group, torch.float32)
     opt = policy.optimizer(model, 0.1, 0.0)
     sampler = make()
     engine = fake_vllm.LLM.instances[-1]
-    sampler.load_weights(policy.hf_state(model))
+    sampler.load_weights(model.hf_state())
     for step in range(2):
         sampler.wake()
         sampler.generate([[1, 2]], 1, SamplingParams(max_new_tokens=2))
@@ -187,20 +187,20 @@ def test_the_engine_serves_the_synced_weights_not_a_stale_copy(vllm, process_gro
         for p in model.parameters():  # an "update"
             p.grad = torch.ones_like(p)
         opt.step()
-        sampler.load_weights(policy.hf_state(model))
+        sampler.load_weights(model.hf_state())
         sampler.wake()
-        live = dict(policy.hf_state(model))
+        live = dict(model.hf_state())
         torch.testing.assert_close(engine.model.params["model.embed_tokens.weight"], live["model.embed_tokens.weight"])
         torch.testing.assert_close(engine.model.params["model.norm.weight"], live["model.norm.weight"])
 
 
 def test_cuda_cache_is_emptied_before_every_wake_up(vllm, process_group, monkeypatch):
-    model = policy.build(policy.resolve_model("tiny-random"), process_group, torch.float32)
+    model = policy.build(models.resolve_model("tiny-random"), process_group, torch.float32)
     sampler = make()
     engine = fake_vllm.LLM.instances[-1]
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: engine.calls.append(("empty_cache",)))
     sampler.sleep()
-    sampler.load_weights(policy.hf_state(model))
+    sampler.load_weights(model.hf_state())
     sampler.wake()
     wakes = [i for i, c in enumerate(engine.calls) if c[0] == "wake_up"]
     assert len(wakes) == 2 and all(engine.calls[i - 1] == ("empty_cache",) for i in wakes)
@@ -243,7 +243,7 @@ def test_output_conversion(vllm):
     a, b = groups[0][0], groups[1][0]
     assert a.token_ids == [5, 6, STOP] and a.finish_reason == "stop"
     assert b.token_ids == [5, 6, 7, 8] and b.finish_reason == "length"
-    assert a.text == policy.load_tokenizer(policy.resolve_model("tiny-random")).decode([5, 6, STOP], skip_special_tokens=True)
+    assert a.text == models.load_tokenizer(models.resolve_model("tiny-random")).decode([5, 6, STOP], skip_special_tokens=True)
 
 
 def test_512_completions_on_8_ranks_draw_512_distinct_streams(vllm):
@@ -280,7 +280,7 @@ def test_sampler_vllm_without_vllm_or_cuda_is_one_line(tmp_path):
 # The fake engine's vLLM behaviours ------------------------------------------------------------
 
 def fake_engine(vllm, **kwargs):
-    return vllm.LLM(policy.resolve_model("tiny-random"), **kwargs)
+    return vllm.LLM(models.resolve_model("tiny-random"), **kwargs)
 
 
 def one(vllm, llm, prompt=(1, 2, 3), **sampling):
@@ -437,13 +437,13 @@ def test_a_weight_the_sync_leaves_out_is_an_error_that_names_it(vllm, process_gr
     side must notice. norm is a whole vLLM parameter: vLLM's returned set shows it missing."""
     from minigdpo.sampler import HFSampler, WeightSyncError
 
-    path = policy.resolve_model("tiny-random")
+    path = models.resolve_model("tiny-random")
     model = policy.build(path, process_group, torch.float32)
-    sampler = make() if backend == "vllm" else HFSampler(policy.load_model(path), [STOP], 0, torch.device("cpu"))
-    sampler.load_weights(policy.hf_state(model))
+    sampler = make() if backend == "vllm" else HFSampler(models.load_model(path), [STOP], 0, torch.device("cpu"))
+    sampler.load_weights(model.hf_state())
     with pytest.raises(WeightSyncError, match=lost.replace(".", r"\.").replace("k_proj", "(k_proj|qkv_proj)")
                        if backend == "hf" else "(k_proj|norm)"):
-        sampler.load_weights((n, t) for n, t in policy.hf_state(model) if n != lost)
+        sampler.load_weights((n, t) for n, t in model.hf_state() if n != lost)
 
 
 # One engine per process: eval.py --baseline and train.py's final evaluation ---------------------------
@@ -456,13 +456,13 @@ def test_eval_with_a_baseline_serves_both_models_from_one_engine(vllm, monkeypat
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)       # --sampler vllm needs CUDA
     monkeypatch.setattr(torch.cuda, "get_rng_state_all", lambda: [])
     monkeypatch.setattr(torch.cuda, "set_rng_state_all", lambda states: None)
-    base = policy.resolve_model("tiny-random")
+    base = models.resolve_model("tiny-random")
     other = str(tmp_path / "other")
-    lm = policy.load_model(base)
+    lm = models.load_model(base)
     with torch.no_grad():
         lm.model.norm.weight.fill_(0.5)
     lm.save_pretrained(other)
-    policy.load_tokenizer(base).save_pretrained(other)
+    models.load_tokenizer(base).save_pretrained(other)
     summary = evaluation.main(["--model", other, "--baseline", base, "--task", "arith", "--limit", "2", "--sampler",
                                "vllm", "--max-new-tokens", "3", "--max-prompt-len", "48", "--output", str(tmp_path / "e")])
     assert len(fake_vllm.LLM.instances) == 1 and summary["model"]["prompts"] == summary["baseline"]["prompts"] == 2

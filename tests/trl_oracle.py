@@ -2,7 +2,7 @@
 
     python tests/trl_oracle.py fixtures WORK   # the tiny models, prompts, completions and rewards
     python tests/trl_oracle.py trl WORK        # TRL 1.16: GRPOTrainer.train() for one step, per case
-    python tests/trl_oracle.py mini WORK       # minigdpo: train.update on TRL's micro-batches, per case
+    python tests/trl_oracle.py mini WORK       # minigdpo: update on TRL's micro-batches, per case
 
 A case is a loss aggregation (TRL's loss_type name) and a number of micro-batches (CASES).
 
@@ -29,6 +29,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("WANDB_DISABLED", "true")
 
 import torch  # noqa: E402
+from minigdpo.update import fill_logprobs, micro_batches, step_metrics, update  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -42,7 +43,7 @@ def fixtures(work):
     """A tiny random Llama (policy), a perturbed copy (reference), fixed prompts, completions and rewards."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from minigdpo.policy import tiny_tokenizer
+    from minigdpo.models import tiny_tokenizer
 
     tok = tiny_tokenizer()
     config = LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
@@ -82,7 +83,7 @@ def trl_step(work, loss_type, ga):
     from transformers import AutoModelForCausalLM, PrinterCallback, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
-    from minigdpo.policy import tiny_tokenizer
+    from minigdpo.models import tiny_tokenizer
 
     fx = load(work)
     texts = [f"prompt{p}" for p in range(B)]
@@ -146,7 +147,7 @@ def trl_step(work, loss_type, ga):
 
 
 class GradCapture:
-    """The optimizer train.update steps: step() keeps the whole gradients instead of moving the weights."""
+    """The optimizer update steps: step() keeps the whole gradients instead of moving the weights."""
 
     def __init__(self, model):
         self.model, self.grads = model, None
@@ -166,7 +167,6 @@ def mini_step(work, loss_type, ga, model, ref):
     """minigdpo's advantages (gdpo) and one update on TRL's micro-batches, each as one of ours."""
     from types import SimpleNamespace
 
-    import train
     from minigdpo import dist
     from minigdpo.advantages import gdpo
     from minigdpo.config import Config
@@ -179,15 +179,15 @@ def mini_step(work, loss_type, ga, model, ref):
     adv = gdpo(rewards, torch.tensor(WEIGHTS, dtype=torch.float64)).reshape(-1).float()
     prompts = [fx["prompts"][i // G] for i in range(B * G)]
     comps = [Completion(c, [0.0] * len(c)) for c in fx["completions"]]
-    batches = [train.micro_batches([prompts[i] for i in rows], [comps[i] for i in rows], adv[rows], len(rows),
+    batches = [micro_batches([prompts[i] for i in rows], [comps[i] for i in rows], adv[rows], len(rows),
                                    fx["pad_id"], device, 1)[0] for rows in micro]
     cfg = Config(num_iterations=1, temperature=1.0, logprob_chunk=1024, tis_cap=0.0, clip_low=0.2, clip_high=0.2,
                  beta=BETA, loss_agg=AGG[loss_type], max_new_tokens=MAX_LEN, max_grad_norm=0.0, grad_checkpointing=False)
-    train.fill_logprobs(ref, batches, "ref_logp", cfg, reshard=True)
+    fill_logprobs(ref, batches, "ref_logp", cfg, reshard=True)
     tokens = sum(mb["mask"].sum() for mb in batches).item()
     opt = GradCapture(model)
-    totals = train.update(model, opt, SimpleNamespace(step=lambda: None), batches, cfg, tokens, B * G)
-    torch.save({"adv": adv, "loss": train.loss_metrics(totals)["loss"], "grads": opt.grads},
+    totals = update(model, opt, SimpleNamespace(step=lambda: None), batches, cfg, tokens, B * G)
+    torch.save({"adv": adv, "loss": step_metrics(totals)["loss"], "grads": opt.grads},
                os.path.join(work, f"mini_{loss_type}_{ga}.pt"))
 
 

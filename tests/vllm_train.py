@@ -18,12 +18,12 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import eval as evaluation  # noqa: E402
 import fake_vllm  # noqa: E402
 import train  # noqa: E402
-from minigdpo import sampler  # noqa: E402
+from minigdpo import vllm_sampler  # noqa: E402
 
 if __name__ == "__main__":
     patch = pytest.MonkeyPatch()
     fake_vllm.install(patch)
-    for module in (train, evaluation, sampler):
+    for module in (train, evaluation, vllm_sampler):
         patch.setattr(module, "resolve_kind", lambda kind: "vllm", raising=False)
     train.main(sys.argv[1:])
     sys.stdout.write(f"engines built: {len(fake_vllm.LLM.instances)}\n")

@@ -1,0 +1,120 @@
+"""The advantage estimators again, one group at a time in plain Python floats: slow and obvious on
+purpose. The tests use them as the oracle of the vectorised ones in minigdpo/advantages.py, which
+states each equation. rewards is a nested list (B, G, R) of floats, NaN where a reward does not apply.
+"""
+
+import math
+
+from minigdpo.advantages import EPS, NEMO_EPS, VERL_EPS, WHITEN_EPS
+
+
+def _mean_std(values):
+    n = len(values)
+    mean = sum(values) / n
+    std = math.sqrt(sum((v - mean) ** 2 for v in values) / (n - 1)) if n > 1 else 0.0
+    return mean, std
+
+
+def _zscore_list(values, eps, scale=True):
+    """values: floats or None; returns one advantage per entry (0 for None)."""
+    present = [v for v in values if v is not None]
+    if len(present) < 2 or max(present) == min(present):
+        return [0.0] * len(values)
+    mean, std = _mean_std(present)
+    return [0.0 if v is None else (v - mean) / (std + eps) if scale else v - mean for v in values]
+
+
+def _nan_to_none(x):
+    return None if math.isnan(x) else x
+
+
+def _naive_sums(rewards, weights):
+    R = len(rewards[0][0])
+    weights = [1.0] * R if weights is None else list(weights)
+    out = []
+    for group in rewards:
+        sums = []
+        for sample in group:
+            present = [w * r for w, r in zip(weights, sample) if not math.isnan(r)]
+            sums.append(sum(present) if present else None)
+        out.append(sums)
+    return out
+
+
+def grpo_naive(rewards, weights=None, eps=EPS, lengths=None):
+    """Loop-over-groups GRPO; rewards is a nested list (B, G, R) of floats."""
+    return [_zscore_list(sums, eps) for sums in _naive_sums(rewards, weights)]
+
+
+def grpo_no_std_naive(rewards, weights=None, eps=EPS, lengths=None):
+    """Loop-over-groups GRPO w/o std."""
+    return [_zscore_list(sums, eps, scale=False) for sums in _naive_sums(rewards, weights)]
+
+
+def gdpo_naive(rewards, weights=None, eps=EPS, lengths=None):
+    """Loop-over-groups GDPO: Eq. 4 per reward, Eq. 5/7 sum, Eq. 6 over the batch (GRPO for one reward)."""
+    R = len(rewards[0][0])
+    if R == 1:
+        return grpo_naive(rewards, weights, eps)
+    weights = [1.0] * R if weights is None else list(weights)
+    summed, applies = [], []
+    for group in rewards:
+        per_reward = [_zscore_list([_nan_to_none(s[k]) for s in group], eps) for k in range(R)]
+        summed.append([sum(weights[k] * per_reward[k][i] for k in range(R)) for i in range(len(group))])
+        applies.append([not all(math.isnan(r) for r in s) for s in group])
+    batch = [a for g, ok in zip(summed, applies) for a, o in zip(g, ok) if o]
+    if len(batch) < 2:
+        return [[0.0] * len(g) for g in summed]
+    mean, std = _mean_std(batch)
+    return [[(a - mean) / (std + eps) if o else 0.0 for a, o in zip(g, ok)] for g, ok in zip(summed, applies)]
+
+
+def gdpo_verl_naive(rewards, weights=None, eps=VERL_EPS, lengths=None):
+    """Loop-over-groups verl GDPO: group z-scores, then whiten a flat list of every response token."""
+    R = len(rewards[0][0])
+    weights = [1.0] * R if weights is None else list(weights)
+    lengths = [[1] * len(g) for g in rewards] if lengths is None else lengths
+    summed = []
+    for group in rewards:
+        per_reward = [_zscore_list([_nan_to_none(s[k]) for s in group], eps) for k in range(R)]
+        summed.append([sum(weights[k] * per_reward[k][i] for k in range(R)) for i in range(len(group))])
+    counts = [[int(n) if not all(math.isnan(r) for r in s) else 0 for n, s in zip(ls, g)]
+              for ls, g in zip(lengths, rewards)]
+    tokens = [a for g, ns in zip(summed, counts) for a, n in zip(g, ns) for _ in range(n)]
+    if len(tokens) < 2:
+        return [[0.0] * len(g) for g in summed]
+    mean, std = _mean_std(tokens)
+    return [[(a - mean) / math.sqrt(std**2 + WHITEN_EPS) if n else 0.0 for a, n in zip(g, ns)]
+            for g, ns in zip(summed, counts)]
+
+
+def gdpo_nemo_naive(rewards, weights=None, eps=NEMO_EPS, lengths=None, leave_one_out=True):
+    """Loop-over-samples NeMo-RL GDPO: each sample's baseline and std from the others of its group."""
+    R = len(rewards[0][0])
+    weights = [1.0] * R if weights is None else list(weights)
+    summed, applies = [], []
+    for group in rewards:
+        adv = [0.0] * len(group)
+        for k in range(R):
+            values = [_nan_to_none(s[k]) for s in group]
+            present = [v for v in values if v is not None]
+            for i, v in enumerate(values):
+                if v is None or len(present) < 2:
+                    continue
+                others = [u for j, u in enumerate(values) if u is not None and (j != i or not leave_one_out)]
+                b, s = _mean_std(others)
+                adv[i] += weights[k] * ((v - b) / (s + eps) if max(others) > min(others) else v - b)
+        summed.append(adv)
+        applies.append([not all(math.isnan(r) for r in s) for s in group])
+    batch = [a for g, ok in zip(summed, applies) for a, o in zip(g, ok) if o]
+    if len(batch) < 2:
+        return [[0.0] * len(g) for g in summed]
+    mean, std = _mean_std(batch)
+    return [[((a - mean) / std if std > 0 else a - mean) if o else 0.0 for a, o in zip(g, ok)]
+            for g, ok in zip(summed, applies)]
+
+
+NAIVE = {"grpo": grpo_naive, "grpo_no_std": grpo_no_std_naive, "gdpo": gdpo_naive,
+         "gdpo_verl": gdpo_verl_naive, "gdpo_nemo": gdpo_nemo_naive}
+
+

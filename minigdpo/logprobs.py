@@ -1,0 +1,271 @@
+"""Per-token log-probs of completions under the policy: the textbook version, and the fast one.
+
+Shape legend: b prompts, n completions (sequences), P prompt columns, T completion columns,
+K valid completion tokens, H hidden size, V vocabulary.
+
+The textbook version (`naive_logprobs`) runs each full sequence (prompt + completion) through the
+model and takes log_softmax(logits / temperature).gather(target). The fast one (`LogProbModel`)
+computes exactly the same numbers, and is the test oracle's subject, with two savings:
+
+- the head runs on chunks of valid tokens (`ChunkedLogProbs`): a (n, T, V) float32 logits tensor
+  never exists, which matters with a 150k vocabulary;
+- the shared-prefix pass (`hidden_states`): a group's G completions share their prompt, and a prompt
+  token never attends to a completion, so each distinct prompt runs through each decoder layer
+  once and its keys and values serve all G completions. The prompt costs 1/G.
+
+`LogProbModel` wraps the Hugging Face model and is the FSDP2 root (dist.shard), so the embedding
+and the head are gathered by the root's own hooks; `hf_state` streams its weights out, whole, under
+their Hugging Face names (for the sampler and the exports).
+"""
+
+import torch
+import torch.nn as nn
+from torch.utils.checkpoint import checkpoint
+
+from minigdpo import dist
+
+PREFIX_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")  # whose forward the shared-prefix pass reproduces
+PREFIX_ATTENTION = ("sdpa", "eager")
+
+
+def naive_logprobs(lm, prompt_ids, prompt_mask, repeats, completion_ids, completion_mask, temperature=1.0):
+    """The textbook formula on full sequences: log_softmax(logits / temperature).gather(next token), (n, T)."""
+    index = torch.repeat_interleave(torch.arange(len(repeats), device=prompt_ids.device), repeats)  # (n,)
+    ids = torch.cat([prompt_ids[index], completion_ids], 1)                # (n, P+T)
+    attn = torch.cat([prompt_mask[index], torch.ones_like(completion_ids)], 1)  # (n, P+T)
+    logits = lm(input_ids=ids, attention_mask=attn, position_ids=(attn.cumsum(-1) - 1).clamp(min=0),
+                use_cache=False).logits[:, -completion_ids.shape[1] - 1:-1].float()  # (n, T, V)
+    logp = torch.log_softmax(logits / temperature, dim=-1).gather(-1, completion_ids[..., None]).squeeze(-1)  # (n, T)
+    return logp * completion_mask
+
+
+# The head, chunk by chunk ----------------------------------------------------------------------
+
+class ChunkedLogProbs(torch.autograd.Function):
+    """log softmax(hidden @ weight.T / temperature)[targets], `chunk` tokens at a time.
+
+    Forward keeps only the (K,) log-sum-exp per token, never the (K, V) logits; backward recomputes
+    each chunk's logits and forms the gradient d logp / d logits = onehot - softmax in place. So at
+    most one (chunk, V) float32 block is alive, forward or backward, and the entropy comes from the
+    same logits at no extra matmul. Every matmul runs in the compute dtype, with fp32 output
+    (_mm_fp32_out); a frozen head (LoRA) gets no weight gradient.
+    """
+
+    @staticmethod
+    def forward(ctx, hidden, weight, targets, temperature, chunk, entropy):
+        K = hidden.shape[0]
+        logp = hidden.new_empty(K, dtype=torch.float32)                     # (K,)
+        lse = hidden.new_empty(K, dtype=torch.float32)                      # (K,)
+        ent = hidden.new_empty(K if entropy else 0, dtype=torch.float32)    # (K,)
+        for s in range(0, K, chunk):
+            e = min(s + chunk, K)
+            logits = _mm_fp32_out(hidden[s:e], weight.T)                   # (k, V) fp32
+            if temperature != 1.0:
+                logits.div_(temperature)
+            lse[s:e] = torch.logsumexp(logits, dim=-1)
+            logp[s:e] = logits.gather(-1, targets[s:e, None]).squeeze(-1) - lse[s:e]
+            if entropy:
+                logits.sub_(lse[s:e, None])                                # (k, V) now log-probs
+                ent[s:e] = -(logits.exp() * logits).sum(-1)
+        ctx.save_for_backward(hidden, weight, targets, lse)
+        ctx.temperature, ctx.chunk = temperature, chunk
+        ctx.mark_non_differentiable(ent)
+        return logp, ent
+
+    @staticmethod
+    def backward(ctx, grad_logp, grad_ent):
+        hidden, weight, targets, lse = ctx.saved_tensors
+        need_h, need_w = ctx.needs_input_grad[:2]  # a frozen head (LoRA) needs no (V, H) gradient: 1/3 of the FLOPs
+        grad_h = torch.zeros_like(hidden) if need_h else None               # (K, H)
+        grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None  # (V, H)
+        rows = torch.arange(min(ctx.chunk, hidden.shape[0]), device=hidden.device)
+        for s in range(0, hidden.shape[0], ctx.chunk):
+            e = min(s + ctx.chunk, hidden.shape[0])
+            g = grad_logp[s:e].float() / ctx.temperature                    # (k,)
+            logits = _mm_fp32_out(hidden[s:e], weight.T)                   # (k, V) fp32
+            if ctx.temperature != 1.0:
+                logits.div_(ctx.temperature)
+            probs = logits.sub_(lse[s:e, None]).exp_()                     # (k, V) softmax, in place
+            d = probs.mul_(-g[:, None])                                    # (k, V) d loss / d logits
+            d[rows[:e - s], targets[s:e]] += g
+            d = d.to(hidden.dtype)                                         # (k, V) in the compute dtype
+            if need_h:
+                grad_h[s:e] = (d @ weight).to(grad_h.dtype)                # (k, H)
+            if need_w:
+                grad_w += _mm_fp32_out(d.T, hidden[s:e])                   # (V, H), summed in fp32
+        return grad_h, grad_w.to(weight.dtype) if need_w else None, None, None, None, None
+
+
+def _mm_fp32_out(a, b):
+    """a @ b at the speed of a's dtype, written in float32.
+
+    An fp32 matmul runs at about 1/15 of bf16's speed on an H100 (TF32 is off by default), and the head's
+    matmuls are a large share of the update. On CUDA the bf16 product accumulates and is written in fp32
+    (out_dtype), so neither the logits nor the head gradient's chunks are rounded to bf16 (a logit of 20
+    would lose 0.06 there). The CPU has no such kernel: there the product is rounded to the input dtype,
+    then widened. The meta device, which runs no kernel, takes the CUDA path (tests check it there).
+    """
+    if a.device.type in ("cuda", "meta") and a.dtype in (torch.bfloat16, torch.float16):
+        return torch.mm(a, b, out_dtype=torch.float32)
+    return (a @ b).float()
+
+
+def chunked_logprobs(hidden, weight, targets, temperature=1.0, chunk=1024, entropy=False):
+    """Per-token log-probs (K,) of targets (K,) from hidden states (K, H) and the head (V, H);
+    with entropy=True also each token's entropy (K,), without gradient."""
+    logp, ent = ChunkedLogProbs.apply(hidden, weight, targets, temperature, chunk, entropy)
+    return logp, (ent if entropy else None)
+
+
+# The shared-prefix pass ------------------------------------------------------------------------
+
+def shares_prefix(lm):
+    """Whether the shared-prefix pass reproduces lm's own forward: a known model type, no sliding-window
+    layers, and an attention kernel that takes a 4-D mask (sdpa, eager). Other models run full sequences."""
+    config = lm.config
+    return (config.model_type in PREFIX_MODEL_TYPES
+            and all(t == "full_attention" for t in getattr(config, "layer_types", None) or ["full_attention"])
+            and getattr(config, "_attn_implementation", None) in PREFIX_ATTENTION)
+
+
+def layer_pair(layer, prompt, tail, index, prompt_kwargs, tail_kwargs):
+    """One decoder layer over the prompt rows (b, P, H), then over the completion rows (n, T, H), in ONE call.
+
+    Under FSDP2 each call of a layer gathers its parameters once in the forward and once in the backward
+    (dist.shard registers layer_pair as a forward method); two passes over the model, prompts then
+    completions, would gather each layer twice each way. The prompt's keys and values land in a cache of
+    this call's own, are copied to the n completion rows (index (n,): each row's prompt), and the
+    completions attend to them. A cache of its own makes the call a pure function, which activation
+    checkpointing can run again in the backward. layer.forward, not layer(): the module call would run
+    FSDP2's hooks (and Hugging Face's checkpointing) again inside this one.
+    """
+    from transformers import DynamicCache
+
+    cache = DynamicCache()
+    prompt = layer.forward(prompt, past_key_values=cache, use_cache=True, **prompt_kwargs)   # (b, P, H)
+    cache.layers[layer.self_attn.layer_idx].batch_select_indices(index)  # (b, ...) -> (n, ...), differentiably
+    tail = layer.forward(tail, past_key_values=cache, use_cache=True, **tail_kwargs)         # (n, T, H)
+    return prompt, tail
+
+
+def masks(prompt_mask, index, T, dtype, eager):
+    """The attention masks of the two halves: prompts (b, 1, P, P) and completions (n, 1, T, P + T).
+
+    Prompts are left-padded: a real token attends to the real tokens up to itself. A padding query
+    attends to itself alone, so that no row is fully masked (a NaN under softmax); its output is never
+    read. Completions attend to their prompt's real tokens and causally to themselves. sdpa takes
+    True = attend; eager adds 0 or the dtype's minimum to the scores.
+    """
+    P, device = prompt_mask.shape[1], prompt_mask.device
+    keep = prompt_mask.bool()                                              # (b, P)
+    causal_p = torch.ones(P, P, dtype=torch.bool, device=device).tril()   # (P, P)
+    eye = torch.eye(P, dtype=torch.bool, device=device)                    # (P, P)
+    prompt = (causal_p & keep[:, None, :]) | eye                           # (b, P, P)
+    causal_t = torch.ones(T, T, dtype=torch.bool, device=device).tril()   # (T, T)
+    tail = torch.cat([keep[index, None, :].expand(-1, T, -1),              # (n, T, P)
+                      causal_t.expand(len(index), -1, -1)], dim=2)         # (n, T, P + T)
+    out = prompt[:, None], tail[:, None]                                   # (., 1, q, kv)
+    if eager:
+        low = torch.finfo(dtype).min
+        out = tuple(torch.zeros(m.shape, dtype=dtype, device=device).masked_fill_(~m, low) for m in out)
+    return out
+
+
+def hidden_states(lm, prompt_ids, prompt_mask, index, completion_ids):
+    """Final hidden states before each completion token, (n, T, H): the last prompt position's for the
+    first token, then the completion's own. prompt_ids, prompt_mask: (b, P) left-padded;
+    index: (n,) each completion's prompt; completion_ids: (n, T). The layer loop of the model's own
+    forward (embed, rotary embeddings, decoder layers with a causal mask, final norm), with each layer
+    run by layer_pair: under activation checkpointing (--grad-checkpointing), checkpointed as a whole."""
+    base = lm.base_model
+    T = completion_ids.shape[1]
+    prompt = base.embed_tokens(prompt_ids)                                 # (b, P, H)
+    tail = base.embed_tokens(completion_ids)                               # (n, T, H)
+    prompt_pos = (prompt_mask.cumsum(-1) - 1).clamp(min=0)                 # (b, P)
+    tail_pos = prompt_mask.sum(-1)[index, None] + torch.arange(T, device=prompt_ids.device)  # (n, T)
+    prompt_attn, tail_attn = masks(prompt_mask, index, T, prompt.dtype, lm.config._attn_implementation == "eager")
+    prompt_kwargs = dict(attention_mask=prompt_attn, position_ids=prompt_pos,
+                         position_embeddings=base.rotary_emb(prompt, prompt_pos))
+    tail_kwargs = dict(attention_mask=tail_attn, position_ids=tail_pos,
+                       position_embeddings=base.rotary_emb(tail, tail_pos))
+    recompute = lm.is_gradient_checkpointing and lm.training and torch.is_grad_enabled()
+    for layer in base.layers:
+        if recompute:
+            prompt, tail = checkpoint(layer.layer_pair, prompt, tail, index, prompt_kwargs, tail_kwargs, use_reentrant=False)
+        else:
+            prompt, tail = layer.layer_pair(prompt, tail, index, prompt_kwargs, tail_kwargs)
+    prompt, tail = base.norm(prompt), base.norm(tail)
+    return torch.cat([prompt[index, -1:], tail[:, :-1]], dim=1)          # (n, T, H)
+
+
+# The model ----------------------------------------------------------------------------------------
+
+def decoder_layers(lm):
+    """The repeated blocks FSDP2 shards one by one (model.layers for Llama/Qwen/Mistral, h for GPT-2)."""
+    base = lm.base_model
+    for attr in ("layers", "h", "blocks"):
+        if isinstance(getattr(base, attr, None), nn.ModuleList):
+            return list(getattr(base, attr))
+    raise ValueError(f"cannot find the decoder layers of {type(lm).__name__}")
+
+
+class LogProbModel(nn.Module):
+    """forward(prompts, completions) -> per-token log-probs (n, T) of the completion tokens: exactly
+    naive_logprobs, and its gradients, at 1/G of the prompt's cost and without (n, T, V) logits."""
+
+    def __init__(self, lm):
+        super().__init__()
+        self.lm = lm
+        self.shares_prefix = shares_prefix(lm)
+        self.merged_adapters = None  # set by lora.attach: yields the merged weights of a LoRA model
+        if self.shares_prefix:
+            for layer in decoder_layers(lm):
+                layer.layer_pair = layer_pair.__get__(layer)
+
+    def forward(self, prompt_ids, prompt_mask, repeats, completion_ids, completion_mask, temperature=1.0,
+                chunk=1024, entropy=False):
+        """prompt_ids, prompt_mask: (b, P) left-padded; repeats: (b,) completions per prompt, summing to n;
+        completion_ids, completion_mask: (n, T) right-padded."""
+        index = torch.repeat_interleave(torch.arange(len(repeats), device=prompt_ids.device), repeats)  # (n,)
+        T = completion_ids.shape[1]
+        if self.shares_prefix:
+            hidden = hidden_states(self.lm, prompt_ids, prompt_mask, index, completion_ids)  # (n, T, H)
+        else:  # one full sequence per completion
+            ids = torch.cat([prompt_ids[index], completion_ids], 1)        # (n, P+T)
+            attn = torch.cat([prompt_mask[index], torch.ones_like(completion_ids)], 1)  # (n, P+T)
+            hidden = self.lm.base_model(input_ids=ids, attention_mask=attn, position_ids=(attn.cumsum(-1) - 1).clamp(min=0),
+                                        use_cache=False).last_hidden_state[:, -T - 1:-1]   # (n, T, H)
+        valid = completion_mask.bool()                                     # (n, T)
+        weight = self.lm.get_output_embeddings().weight                    # (V, H)
+        lp, ent = chunked_logprobs(hidden[valid], weight, completion_ids[valid], temperature, chunk, entropy)  # (K,)
+        out = hidden.new_zeros(valid.shape, dtype=torch.float32).masked_scatter(valid, lp)      # (n, T)
+        if not entropy:
+            return out
+        return out, hidden.new_zeros(valid.shape, dtype=torch.float32).masked_scatter(valid, ent)
+
+    def hf_state(self, dtype=None, main_only=False):
+        """Yield (Hugging Face name, whole tensor) one parameter at a time, in `dtype` when given.
+
+        Memory stays bounded by one full tensor. Tied weights appear once, under the first name (the
+        input embedding), as in Hugging Face checkpoints. Every rank must iterate to the end, in the same
+        order: each step is a collective. main_only=True gathers each tensor on rank 0 alone (the other
+        ranks get None), for a writer that only rank 0 runs. A LoRA model yields its merged weights
+        under the base model's names (lora.merged_state).
+        """
+        tied = self.tied_names()
+        if self.merged_adapters is not None:
+            yield from self.merged_adapters(dtype, tied, main_only)
+            return
+        for name, t in self.lm.state_dict(keep_vars=True).items():
+            if name not in tied:  # cast first: fewer bytes to gather
+                yield name, dist.full_tensor(t.detach().to(dtype) if dtype is not None else t.detach(), main_only)
+
+    def tied_names(self):
+        """Names that share storage with an earlier name, e.g. lm_head.weight -> model.embed_tokens.weight."""
+        first, tied = {}, {}
+        for name, t in self.lm.state_dict(keep_vars=True).items():
+            if id(t) in first:
+                tied[name] = first[id(t)]
+            else:
+                first[id(t)] = name
+        return tied

