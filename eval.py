@@ -11,21 +11,18 @@ format rate, pass@k and length statistics, plus the task's own figures (the pape
 | code        | pass rate, bug ratio, exceed ratio (the paper's Table 5)    |
 
 A LoRA checkpoint's adapter/ directory (peft's format) is merged into its base model first (peft's
-merge_and_unload, written to OUT/merged_model), unless the run wrote the merged model to hf/
-(--merge-on-save), which is used as is.
+merge_and_unload, into OUT/merged_model), unless the run wrote the merged model to hf/ (--merge-on-save).
 
 A minigdpo checkpoint (its hf/ or adapter/ directory, or the step directory) carries its run's config in
-trainer.json. eval.py takes from it every task setting not given on the command line: task,
-arith difficulty, prompt and completion lengths, length limit and unit, and answer format (which,
-with the task, fixes the system prompt: no other system prompt setting exists). It prints which
-settings came from the run. The data set is not taken: a run's training file is not a test set.
+trainer.json. eval.py takes from it every task setting not given on the command line (task, arith
+difficulty, prompt and completion lengths, length limit and unit, answer format, which with the task
+fixes the system prompt), and says which. Not the data: a run's training file is not a test set.
 
---baseline MODEL evaluates a second model on the same prompts with the same settings and seed,
-and prints the two side by side: each metric, and model - baseline with a 95% paired bootstrap
-interval over prompts (10,000 resamples, seed 0; see paired_bootstrap).
-
-It writes every completion to OUT/completions.jsonl (and OUT/completions_baseline.jsonl) and the
-figures to OUT/summary.json.
+--baseline MODEL evaluates a second model on the same prompts with the same settings and seed, and
+prints both with model - baseline and a 95% paired bootstrap interval over prompts (10,000 resamples,
+seed 0). One sampler serves both when they share their tensors and vocabulary: the baseline's weights
+are streamed into it (with vLLM it must: vLLM allows one engine per process). Every completion goes to
+OUT/completions.jsonl (and completions_baseline.jsonl), the figures to OUT/summary.json.
 
   # The CPU demo's checkpoint against the model it started from, on 128 held-out problems
   # (train.py --preset cpu-demo runs this itself at its end, on the first 64): task arith,
@@ -49,18 +46,15 @@ import torch
 
 from minigdpo import checkpoint, data, dist, lora, models
 from minigdpo.config import Config
-from rewards import RewardScorer, encode_prompt, load_task
 from minigdpo.sampler import SamplingParams
 from minigdpo.vllm_sampler import SamplerUnavailable, make_sampler, resolve_kind
+from rewards import RewardScorer, encode_prompt, load_task
 
-# task -> (reward that means "solved" and its threshold, reward that means "well formatted")
-TASK_METRICS = {
-    "gsm8k": ("correct", 1.0, "format"),
-    "arith": ("correct", 1.0, "format"),
-    "toolcall": ("tool_correct", 3.0, "tool_format"),  # 3 is an exact match of the whole call list
-    "math_length": ("correct", 1.0, None),
-    "code": ("pass", 1.0, None),
-}
+# task -> (reward that means "solved" and its threshold, reward that means "well formatted"); toolcall's 3 is
+# an exact match of the whole call list
+TASK_METRICS = {"gsm8k": ("correct", 1.0, "format"), "arith": ("correct", 1.0, "format"),
+                "toolcall": ("tool_correct", 3.0, "tool_format"), "math_length": ("correct", 1.0, None),
+                "code": ("pass", 1.0, None)}
 
 # The task settings a training run fixes, with the defaults used when neither the command line nor
 # a checkpoint gives them: train.py's own defaults, so that a model trained with them is evaluated alike.

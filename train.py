@@ -47,7 +47,7 @@ from minigdpo import checkpoint, config, dist, lora, models, policy
 from minigdpo.advantages import ESTIMATORS, Condition, apply_conditions, distinct_per_group
 from minigdpo.data import DataError
 from minigdpo.sampler import SamplingParams
-from minigdpo.update import fill_logprobs, micro_batches, model_tokens, step_metrics, update
+from minigdpo.update import fill_logprobs, micro_batches, model_tokens, optimizer, scheduler, step_metrics, update
 from minigdpo.vllm_sampler import SamplerUnavailable, make_sampler, resolve_kind
 from rewards import PromptOrder, RewardScorer, encode_prompt, load_task
 
@@ -80,10 +80,10 @@ def run_training(argv=None):
     dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}.get(cfg.dtype, torch.bfloat16 if device.type == "cuda" else torch.float32)
     model = policy.build(path, device, dtype, cfg.grad_checkpointing, lora=adapters)
     ref = policy.build(path, device, dtype, frozen=True, offload=cfg.ref_offload) if cfg.beta > 0 and not adapters else None
-    opt = policy.optimizer(model, cfg.lr, cfg.weight_decay)  # the parameters that require grad: with LoRA, the adapters
+    opt = optimizer(model, cfg.lr, cfg.weight_decay)  # the parameters that require grad: with LoRA, the adapters
     n_trainable, n_params = lora.trainable_count(model)  # global counts, also under FSDP
     dist.print0(f"parameters: {n_params:,}, trainable: {n_trainable:,}")
-    sched = policy.scheduler(opt, derived.total_steps * cfg.num_iterations, cfg.warmup_ratio, cfg.lr_schedule)
+    sched = scheduler(opt, derived.total_steps * cfg.num_iterations, cfg.warmup_ratio, cfg.lr_schedule)
     stop_ids = models.stop_token_ids(model.lm.config, model.lm.generation_config, tokenizer)
     sampler = make_sampler(cfg.sampler, path, device, tokenizer, stop_ids, dtype, seed=cfg.seed + dist.rank(),
                            gpu_memory_utilization=cfg.vllm_gpu_memory_utilization,

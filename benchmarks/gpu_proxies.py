@@ -35,7 +35,7 @@ sys.path.insert(0, ROOT)
 from minigdpo import checkpoint, dist, logprobs, models, policy  # noqa: E402
 from minigdpo.config import Config  # noqa: E402
 from minigdpo.sampler import Completion, HFSampler, SamplingParams, sync_every  # noqa: E402
-from minigdpo.update import fill_logprobs, micro_batches, update  # noqa: E402
+from minigdpo.update import fill_logprobs, micro_batches, optimizer, scheduler, update  # noqa: E402
 
 MB = 1024**2
 SAFETENSORS_DTYPES = {"BF16": "bfloat16", "F16": "float16", "F32": "float32"}
@@ -328,8 +328,8 @@ def main(argv=None):
         row(f"reference bytes resident per rank after its pass{label} (MB)", f"{total / MB:.1f} "
             f"({whole / MB:.1f} unsharded)", f"<= {floor / MB:.1f}", total <= floor)
     tokens = dist.all_reduce(sum(mb["mask"].sum() for mb in batches).reshape(1)).item()
-    opt = policy.optimizer(model, 1e-5, 0.0)
-    sched = policy.scheduler(opt, 10, 0.0, "constant")
+    opt = optimizer(model, 1e-5, 0.0)
+    sched = scheduler(opt, 10, 0.0, "constant")
     with Collectives() as coll, MatmulFlops() as flops:
         update(model, opt, sched, batches, cfg, tokens / world, sum(len(mb["index"]) for mb in batches))
     n_mb = len(batches)

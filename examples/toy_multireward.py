@@ -12,7 +12,7 @@ rewards check different parts of it against the target:
 
 so "every reward satisfied" means all 8 bits right (1/256 at the start). The policy is a table of
 per-prompt, per-bit logits (a factorised categorical over the 256 responses), trained with
-minigdpo's own estimators (`minigdpo.advantages`) and clipped-surrogate loss (`minigdpo.loss`):
+minigdpo's own estimators (`minigdpo.advantages`) and clipped-surrogate loss (`minigdpo.update`):
 sample G responses per prompt, score, compute advantages, one Adam step on the token-mean loss.
 
 Why the methods should differ. GRPO z-scores the summed reward, so a sample that gets only the

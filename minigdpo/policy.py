@@ -1,15 +1,11 @@
-"""The trained policy and its frozen reference, built sharded; the optimizer and its schedule.
+"""The trained policy and its frozen reference, built sharded.
 
 `build` builds the model on the meta device, wraps it for log-probs (minigdpo/logprobs.py), shards it
 with FSDP2 over all ranks (dist.shard), then has each rank read only its own shards from the
 checkpoint's safetensors files: no rank ever holds the whole model.
 """
 
-import math
-import re
-
 import torch
-import torch.nn as nn
 
 from minigdpo import dist, lora as lora_adapters
 from minigdpo.logprobs import LogProbModel, decoder_layers
@@ -83,42 +79,3 @@ def build(path, device, compute_dtype, grad_checkpointing=False, frozen=False, o
                 if m._non_persistent_buffers_set:
                     lm._init_weights(m)
     return model
-
-
-# Optimisation -------------------------------------------------------------------------------------
-
-# Parameters the Hugging Face Trainer exempts from weight decay, by name (Trainer.get_decay_parameter_names,
-# transformers 5.20): biases and normalisation weights. TRL's trainers, and so the paper's runs, use its optimizer.
-NO_DECAY = re.compile(r"bias|layernorm|rmsnorm|(?:^|\.)norm(?:$|\.)|_norm(?:$|\.)")
-
-
-def optimizer(model, lr, weight_decay):
-    """AdamW over the parameters that require grad; biases and normalisation weights (by name, or inside an
-    nn.LayerNorm) get no weight decay, as in the Hugging Face Trainer."""
-    in_layernorm = {id(p) for m in model.modules() if isinstance(m, nn.LayerNorm) for p in m.parameters()}
-    decay, no_decay = [], []
-    for name, p in model.named_parameters():
-        if p.requires_grad:
-            (no_decay if NO_DECAY.search(name.lower()) or id(p) in in_layernorm else decay).append(p)
-    groups = [{"params": ps, "weight_decay": wd} for ps, wd in ((decay, weight_decay), (no_decay, 0.0)) if ps]
-    # fused: one kernel per step, no foreach temporaries the size of the model
-    return torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.999), eps=1e-8, fused=True)
-
-
-def lr_lambda(total_steps, warmup_ratio, schedule):
-    """Linear warmup to the peak, then constant or cosine decay to 0."""
-    warmup = math.ceil(warmup_ratio * total_steps)
-
-    def factor(step):
-        if step < warmup:
-            return (step + 1) / warmup
-        if schedule == "constant":
-            return 1.0
-        progress = (step - warmup) / max(1, total_steps - warmup)
-        return 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
-
-    return factor
-
-
-def scheduler(opt, total_steps, warmup_ratio, schedule):
-    return torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(total_steps, warmup_ratio, schedule))

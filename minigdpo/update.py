@@ -1,5 +1,5 @@
 """The policy update: PPO's clipped surrogate with a k3 KL penalty to a frozen reference, accumulated over
-micro-batches and applied with FSDP2.
+micro-batches and applied with FSDP2; the optimizer (AdamW) and its learning-rate schedule.
 
 Shape legend: N sequences in the micro-batch, b distinct prompts in it, P prompt columns, T completion
 tokens.
@@ -34,8 +34,10 @@ gradients over ranks, as DDP does for TRL. The asymmetric clip (`clip_high` > `c
 """
 
 import math
+import re
 
 import torch
+import torch.nn as nn
 
 from minigdpo import dist
 from minigdpo.sampler import left_pad
@@ -212,6 +214,43 @@ def update(model, opt, sched, batches, cfg, num_tokens, num_seqs):
         totals["grad_norm"] = grad_norm
     opt.zero_grad(set_to_none=True)  # free the gradients before the sampler wakes up
     return totals
+
+
+# Parameters the Hugging Face Trainer exempts from weight decay, by name (Trainer.get_decay_parameter_names,
+# transformers 5.20): biases and normalisation weights. TRL's trainers, and so the paper's runs, use its optimizer.
+NO_DECAY = re.compile(r"bias|layernorm|rmsnorm|(?:^|\.)norm(?:$|\.)|_norm(?:$|\.)")
+
+
+def optimizer(model, lr, weight_decay):
+    """AdamW over the parameters that require grad; biases and normalisation weights (by name, or inside an
+    nn.LayerNorm) get no weight decay, as in the Hugging Face Trainer."""
+    in_layernorm = {id(p) for m in model.modules() if isinstance(m, nn.LayerNorm) for p in m.parameters()}
+    decay, no_decay = [], []
+    for name, p in model.named_parameters():
+        if p.requires_grad:
+            (no_decay if NO_DECAY.search(name.lower()) or id(p) in in_layernorm else decay).append(p)
+    groups = [{"params": ps, "weight_decay": wd} for ps, wd in ((decay, weight_decay), (no_decay, 0.0)) if ps]
+    # fused: one kernel per step, no foreach temporaries the size of the model
+    return torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.999), eps=1e-8, fused=True)
+
+
+def lr_lambda(total_steps, warmup_ratio, schedule):
+    """Linear warmup to the peak, then constant or cosine decay to 0."""
+    warmup = math.ceil(warmup_ratio * total_steps)
+
+    def factor(step):
+        if step < warmup:
+            return (step + 1) / warmup
+        if schedule == "constant":
+            return 1.0
+        progress = (step - warmup) / max(1, total_steps - warmup)
+        return 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
+
+    return factor
+
+
+def scheduler(opt, total_steps, warmup_ratio, schedule):
+    return torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(total_steps, warmup_ratio, schedule))
 
 
 def clip_grad(model, max_norm):

@@ -16,7 +16,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from minigdpo import dist, lora, models, policy  # noqa: E402
 from minigdpo.config import Config  # noqa: E402
 from minigdpo.sampler import Completion  # noqa: E402
-from minigdpo.update import fill_logprobs, micro_batches, step_metrics, update  # noqa: E402
+from minigdpo.update import fill_logprobs, micro_batches, optimizer, scheduler, step_metrics, update  # noqa: E402
 
 
 def main(out, agg, sharding, adapters=None):
@@ -25,8 +25,8 @@ def main(out, agg, sharding, adapters=None):
     torch.manual_seed(0)
     model = policy.build(path, device, torch.float32, lora=adapters)
     ref = policy.build(path, device, torch.float32, frozen=True) if adapters is None else None
-    opt = policy.optimizer(model, 1e-3, 0.0)
-    sched = policy.scheduler(opt, 10, 0.0, "constant")
+    opt = optimizer(model, 1e-3, 0.0)
+    sched = scheduler(opt, 10, 0.0, "constant")
     g = torch.Generator().manual_seed(123)
     S, G = 8, 2  # global sequences, completions per prompt
     prompts = [torch.randint(0, 250, (int(torch.randint(3, 9, (1,), generator=g)),), generator=g).tolist()

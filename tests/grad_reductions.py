@@ -23,7 +23,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from minigdpo import dist, models, policy  # noqa: E402
 from minigdpo.config import Config  # noqa: E402
 from minigdpo.sampler import Completion  # noqa: E402
-from minigdpo.update import micro_batches, update  # noqa: E402
+from minigdpo.update import micro_batches, optimizer, scheduler, update  # noqa: E402
 
 
 class Reductions:
@@ -62,8 +62,8 @@ def main(out, sharding):
     for mode in ("micro_batch", "step"):
         torch.manual_seed(0)
         model = policy.build(path, device, torch.float32)
-        opt = policy.optimizer(model, 1e-3, 0.0)
-        sched = policy.scheduler(opt, 10, 0.0, "constant")
+        opt = optimizer(model, 1e-3, 0.0)
+        sched = scheduler(opt, 10, 0.0, "constant")
         cfg = Config(beta=0.0, max_new_tokens=5, reduce_grads=mode, logprob_chunk=64)
         batches = micro_batches(prompts, comps, adv, 2, 257, device, 4)  # 4 micro-batches
         modules = sum(isinstance(m, FSDPModule) for m in model.modules())  # the decoder layers and the root

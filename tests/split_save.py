@@ -15,14 +15,15 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from minigdpo import checkpoint, dist, models, policy  # noqa: E402
+from minigdpo.update import optimizer, scheduler  # noqa: E402
 
 
 def main(root):
     path = models.resolve_model("tiny-random")  # before the group: transformers saves on rank 0 only with one
     device = dist.init()
     model = policy.build(path, device, torch.float32)
-    opt = policy.optimizer(model, 1e-3, 0.0)
-    sched = policy.scheduler(opt, 10, 0.0, "constant")
+    opt = optimizer(model, 1e-3, 0.0)
+    sched = scheduler(opt, 10, 0.0, "constant")
     out = os.path.join(root, f"rank{dist.rank()}")
     try:
         line = "saved " + checkpoint.save(out, 1, model, opt, sched, models.load_tokenizer(path),

@@ -5,14 +5,17 @@ Run: pytest tests/test_collapse.py
 
 import itertools
 import math
+import os
+import sys
 
 import pytest
 import torch
 
-from minigdpo.advantages import ESTIMATORS
+from minigdpo.advantages import ESTIMATORS, distinct_per_group
 from minigdpo.advantages_naive import NAIVE
-from minigdpo.advantages import distinct_per_group
-from minigdpo.collapse import count_distinct, distinct_rows, enumerate_groups, main
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples"))
+from collapse import count_distinct, distinct_rows, enumerate_groups, main  # noqa: E402
 
 
 @pytest.mark.parametrize("G", range(2, 9))

@@ -12,7 +12,7 @@ import torch
 
 from benchmarks.gpu_proxies import MatmulFlops
 from minigdpo import logprobs, models, policy
-from minigdpo.update import fill_logprobs
+from minigdpo.update import fill_logprobs, optimizer, scheduler
 
 
 def naive_head(hidden, weight, targets):
@@ -74,8 +74,8 @@ def test_export_keeps_the_source_checkpoints_dtype(process_group, tmp_path):
     tok.save_pretrained(source)
     assert models.source_dtype(source) == torch.bfloat16 and models.source_dtype(tiny) == torch.float32
     model = policy.build(source, process_group, torch.float32)  # fp32 master weights
-    opt = policy.optimizer(model, 1e-2, 0.0)
-    where = checkpoint.save(str(tmp_path / "run"), 1, model, opt, policy.scheduler(opt, 2, 0.0, "constant"), tok,
+    opt = optimizer(model, 1e-2, 0.0)
+    where = checkpoint.save(str(tmp_path / "run"), 1, model, opt, scheduler(opt, 2, 0.0, "constant"), tok,
                             {"cursor": 0}, models.source_dtype(source), keep=1)
     hf = os.path.join(where, "hf")
     with open(os.path.join(hf, "config.json")) as f:

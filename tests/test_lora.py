@@ -16,6 +16,7 @@ from safetensors.torch import load_file
 from conftest import read_jsonl, refused, run
 from minigdpo import checkpoint, config, dist, logprobs, lora, models, policy
 from minigdpo.sampler import HFSampler, SamplingParams
+from minigdpo.update import optimizer, scheduler
 from test_policy import batches, model_logprobs
 
 peft = pytest.importorskip("peft")
@@ -40,7 +41,7 @@ def full(model):
 def trained(path, device, steps=2, lr=1e-2):
     """A LoRA policy after `steps` optimizer steps that push the sampled tokens' log-probs up."""
     model = policy.build(path, device, torch.float32, lora=SETTINGS)
-    opt = policy.optimizer(model, lr, 0.0)
+    opt = optimizer(model, lr, 0.0)
     for seed in range(steps):
         (mb,) = batches(seed)
         opt.zero_grad()
@@ -56,7 +57,7 @@ def test_only_the_adapters_train_and_the_optimizer_holds_only_them(tiny, process
     # The first forward is the reference pass, as on step 1 of train.py: the adapters must still train after it.
     with torch.no_grad(), lora.adapters_off(model):
         model_logprobs(model, batches(0)[0])
-    opt = policy.optimizer(model, 1e-2, 0.0)
+    opt = optimizer(model, 1e-2, 0.0)
     for seed in range(2):
         (mb,) = batches(seed)
         opt.zero_grad()
@@ -176,7 +177,7 @@ def test_adapter_checkpoint_loads_with_peft_and_the_merged_export_with_transform
 
     path, tok = tiny
     model, opt = trained(path, process_group)
-    sched = policy.scheduler(opt, 4, 0.0, "constant")
+    sched = scheduler(opt, 4, 0.0, "constant")
     where = checkpoint.save(str(tmp_path), 1, model, opt, sched, tok, {"cursor": 0}, torch.float32, keep=2)
     assert os.path.isdir(os.path.join(where, "hf"))  # export_hf: the merged model (--merge-on-save)
     adapter = os.path.join(where, "adapter")

@@ -11,7 +11,7 @@ import torch
 
 from minigdpo import checkpoint, dist, logprobs, models, policy
 from minigdpo.sampler import Completion, HFSampler, SamplingParams, sample_next
-from minigdpo.update import micro_batches, model_tokens
+from minigdpo.update import lr_lambda, micro_batches, model_tokens, optimizer, scheduler
 
 
 @pytest.fixture(scope="module")
@@ -196,8 +196,8 @@ def test_checkpoint_loads_with_from_pretrained_and_sync_streams_every_weight(tin
     path, tok = tiny
     device = process_group
     model = policy.build(path, device, torch.float32)
-    opt = policy.optimizer(model, 1e-2, 0.0)
-    sched = policy.scheduler(opt, 4, 0.0, "constant")
+    opt = optimizer(model, 1e-2, 0.0)
+    sched = scheduler(opt, 4, 0.0, "constant")
     (mb,) = batches(2)
     (-model_logprobs(model, mb).sum()).backward()
     opt.step()
@@ -260,9 +260,9 @@ def test_model_tokens_count_a_shared_prompt_once():
 
 
 def test_lr_schedule():
-    f = policy.lr_lambda(10, 0.2, "cosine")
+    f = lr_lambda(10, 0.2, "cosine")
     assert [round(f(s), 3) for s in (0, 1, 2, 6, 10)] == [0.5, 1.0, 1.0, 0.5, 0.0]
-    assert policy.lr_lambda(10, 0.0, "constant")(7) == 1.0
+    assert lr_lambda(10, 0.0, "constant")(7) == 1.0
 
 
 def test_stop_tokens_merge_every_declared_eos(tiny):
@@ -287,7 +287,7 @@ def test_weight_decay_spares_what_the_hugging_face_trainer_spares(arch, process_
     model = policy.build(str(tmp_path), process_group, torch.float32)
     name = {id(p): n for n, p in model.named_parameters()}  # a tied head appears once, as the embedding
     want = {"lm." + n for n in Trainer.get_decay_parameter_names(None, model.lm)} & set(name.values())
-    opt = policy.optimizer(model, 1e-3, 0.1)
+    opt = optimizer(model, 1e-3, 0.1)
     decayed = {name[id(p)] for g in opt.param_groups if g["weight_decay"] == 0.1 for p in g["params"]}
     spared = {name[id(p)] for g in opt.param_groups if g["weight_decay"] == 0.0 for p in g["params"]}
     assert decayed == want and spared == set(name.values()) - want

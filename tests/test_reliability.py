@@ -16,7 +16,7 @@ from safetensors.torch import load_file
 from conftest import read_jsonl, refused, run
 from minigdpo import config, models
 from minigdpo.advantages import ESTIMATORS
-from minigdpo.update import policy_loss
+from minigdpo.update import optimizer, policy_loss, scheduler
 from minigdpo.sampler import Completion
 
 BASE = ["train.py", "--preset", "smoke", "--max-steps", "4", "--save-every", "1", "--keep-checkpoints", "5",
@@ -191,8 +191,8 @@ def test_a_nan_gradient_skips_the_step_and_keeps_the_weights(process_group):
 
     path = models.resolve_model("tiny-random")
     model = policy.build(path, process_group, torch.float32)
-    opt = policy.optimizer(model, 1e-2, 0.0)
-    sched = policy.scheduler(opt, 4, 0.0, "constant")
+    opt = optimizer(model, 1e-2, 0.0)
+    sched = scheduler(opt, 4, 0.0, "constant")
     (mb,) = batch_of([Completion([5, 6], [-1.0, -1.0])] * 2)
     mb["adv"] = torch.tensor([float("nan"), 1.0])
     before = {k: v.clone() for k, v in model.hf_state()}
@@ -272,8 +272,8 @@ def test_resume_on_a_node_with_fewer_gpus_restores_the_rng(process_group, tmp_pa
 
     path = models.resolve_model("tiny-random")
     model = policy.build(path, process_group, torch.float32)
-    opt = policy.optimizer(model, 1e-3, 0.0)
-    sched = policy.scheduler(opt, 10, 0.0, "constant")
+    opt = optimizer(model, 1e-3, 0.0)
+    sched = scheduler(opt, 10, 0.0, "constant")
     gpu_state = torch.arange(16, dtype=torch.uint8)
     restored = []
 

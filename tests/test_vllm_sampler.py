@@ -20,6 +20,7 @@ from conftest import ROOT, run
 from minigdpo import config, models, policy, vllm_sampler
 from minigdpo.sampler import SamplingParams
 from minigdpo.vllm_sampler import VLLMSampler
+from minigdpo.update import optimizer
 
 STOP = 256  # tiny-random's <|im_end|>, its EOS
 
@@ -176,7 +177,7 @@ def test_order_of_sleep_wake_load_and_reset_over_two_steps(vllm, process_group):
 
 def test_the_engine_serves_the_synced_weights_not_a_stale_copy(vllm, process_group):
     model = policy.build(models.resolve_model("tiny-random"), process_group, torch.float32)
-    opt = policy.optimizer(model, 0.1, 0.0)
+    opt = optimizer(model, 0.1, 0.0)
     sampler = make()
     engine = fake_vllm.LLM.instances[-1]
     sampler.load_weights(model.hf_state())

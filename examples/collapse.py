@@ -4,8 +4,9 @@ Reproduces the paper's Figure 3. For binary rewards, a group of G samples with R
 is a G x R matrix of 0/1. We enumerate every such group, run the real estimator from
 `minigdpo.advantages` on all of them at once, and count the distinct advantage vectors.
 
-    python -m minigdpo.collapse                  # the table, every estimator: G = 2..16 (R=2), R = 2..8 (G=4)
-    python -m minigdpo.collapse --plot out.png   # and the figure (needs matplotlib)
+    python examples/collapse.py                  # the table, every estimator: G = 2..16 (R=2), R = 2..8 (G=4)
+    python examples/collapse.py --plot out.png   # and the figure (needs matplotlib)
+    python examples/collapse.py --example        # the paper's smallest example (G = 2, two rewards)
 
 Counting rules:
 - A group is a multiset of samples, so an advantage vector is compared sorted.
@@ -26,10 +27,13 @@ Shape legend: M enumerated groups, G samples, R rewards.
 import argparse
 import itertools
 import math
+import os
+import sys
 
 import torch
 
-from minigdpo.advantages import ESTIMATORS, group_zscore
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from minigdpo.advantages import ESTIMATORS, group_zscore  # noqa: E402
 
 DECIMALS = 6
 
