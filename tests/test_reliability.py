@@ -260,6 +260,16 @@ def test_bad_booleans_and_context_are_one_line_before_any_model_loads(tmp_path):
         assert message in proc.stderr
 
 
+@pytest.mark.parametrize("flag", [f.name for f in config.fields(config.Config) if f.type is int])
+def test_every_integer_flag_refuses_a_fraction(flag):
+    """"3.0" is not an integer: a step count or a size that silently dropped its fraction would be a
+    different run than the one asked for."""
+    with pytest.raises(config.ConfigError, match="invalid int value: '3.5'"):
+        config.parse_args([f"--{flag.replace('_', '-')}", "3.5"])
+    with pytest.raises(config.ConfigError, match="invalid int value: '3.0'"):
+        config.parse_args([f"--{flag.replace('_', '-')}", "3.0"])
+
+
 def test_resume_on_a_node_with_fewer_gpus_restores_the_rng(process_group, tmp_path, monkeypatch):
     """A checkpoint saved where the node had 8 GPUs resumes where it has 1. Each rank keeps its own GPU's
     RNG state only: torch.cuda.set_rng_state_all(8 states) would address GPUs 1-7, which do not exist.
