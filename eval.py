@@ -50,8 +50,7 @@ from minigdpo.sampler import SamplingParams
 from minigdpo.vllm_sampler import SamplerUnavailable, make_sampler, resolve_kind
 from rewards import RewardScorer, encode_prompt, load_task
 
-# task -> (reward that means "solved" and its threshold, reward that means "well formatted"); toolcall's 3 is
-# an exact match of the whole call list
+# task -> (reward that means "solved", its threshold, reward that means "well formatted"); 3: an exact match
 TASK_METRICS = {"gsm8k": ("correct", 1.0, "format"), "arith": ("correct", 1.0, "format"),
                 "toolcall": ("tool_correct", 3.0, "tool_format"), "math_length": ("correct", 1.0, None),
                 "code": ("pass", 1.0, None)}
@@ -192,14 +191,9 @@ def model_path(model, out_dir, label=""):
 
 def new_sampler(path, args):
     """(sampler, tokenizer) for the model at `path`."""
-    from transformers import AutoConfig, GenerationConfig
-
     tokenizer = models.load_tokenizer(path)
-    try:
-        gen_config = GenerationConfig.from_pretrained(path)
-    except OSError:
-        gen_config = None
-    stop_ids = models.stop_token_ids(AutoConfig.from_pretrained(path), gen_config, tokenizer)
+    lm = models.empty_model(path, torch.float32)  # its config and generation config, without weights
+    stop_ids = models.stop_token_ids(lm.config, lm.generation_config, tokenizer)
     device = dist.device() if dist.is_initialized() else torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     sampler = make_sampler(args.sampler, path, device, tokenizer, stop_ids, dtype, seed=args.seed,
@@ -208,16 +202,9 @@ def new_sampler(path, args):
 
 
 def same_shape(a, b):
-    """Whether the checkpoints at a and b hold the same tensors (names and shapes) and the same vocabulary."""
-    from safetensors import safe_open
-
+    """Whether the models at a and b have the same tensors (names and shapes) and the same vocabulary."""
     def shapes(path):
-        out = {}
-        for file in models.safetensors_files(path):
-            with safe_open(file, "pt") as f:
-                out |= {name: f.get_slice(name).get_shape() for name in f.keys()}
-        out.pop("lm_head.weight", None)  # a tied head is saved by some writers, not by others
-        return out
+        return {name: t.shape for name, t in models.empty_model(path, torch.float32).state_dict().items()}
 
     return shapes(a) == shapes(b) and models.load_tokenizer(a).get_vocab() == models.load_tokenizer(b).get_vocab()
 

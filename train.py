@@ -21,12 +21,10 @@ adapters off, and step 7 pushes the merged weights (minigdpo/lora.py).
 
 Launch:
   python train.py --preset cpu-demo                          # offline CPU demo, about 12 min on 2 cores
-  python train.py --preset smoke                             # tiny random model, seconds
-  python train.py --preset a100 --estimator gdpo             # one 80 GB A100
-  python train.py --preset a100-lora --estimator gdpo        # Qwen2.5-7B-Instruct with LoRA on one 80 GB A100
+  python train.py --preset a100 --estimator gdpo             # one 80 GB A100 (a100-lora: Qwen2.5-7B with LoRA)
   torchrun --nproc_per_node 8 train.py --estimator gdpo      # the paper's recipe on 8 GPUs
   torchrun --nnodes 2 --nproc_per_node 8 --rdzv_endpoint HOST:29500 train.py --estimator gdpo --output-dir /shared/run
-  torchrun --nproc_per_node 2 train.py --preset smoke        # FSDP2 over 2 gloo ranks on CPU
+  torchrun --nproc_per_node 2 train.py --preset smoke        # FSDP2 over 2 gloo ranks on CPU, seconds
 
 Shape legend: B prompts, G samples per prompt, R rewards, S = this rank's sequences.
 """
@@ -36,7 +34,6 @@ import math
 import os
 import sys
 import time
-import traceback
 from collections import deque
 from contextlib import contextmanager
 
@@ -44,7 +41,7 @@ import torch
 from tqdm import tqdm
 
 from minigdpo import checkpoint, config, dist, lora, models, policy
-from minigdpo.advantages import ESTIMATORS, Condition, apply_conditions, distinct_per_group
+from minigdpo.advantages import ESTIMATORS, Condition, apply_conditions, distinct_per_group, informative_groups
 from minigdpo.data import DataError
 from minigdpo.sampler import SamplingParams
 from minigdpo.update import fill_logprobs, micro_batches, model_tokens, optimizer, scheduler, step_metrics, update
@@ -105,78 +102,73 @@ def run_training(argv=None):
 
     order = PromptOrder(len(task.examples), cfg.seed)
     log = Logger(cfg.output_dir, derived.total_steps, start, run, cfg.wandb)
-    params = SamplingParams(cfg.temperature, cfg.top_p, cfg.max_new_tokens, ignore_eos=cfg.ignore_eos)
-    B, G, R, rank, mine = derived.prompts_per_step, cfg.group_size, len(names), dist.rank(), derived.prompts_per_rank
+    G, rank = cfg.group_size, dist.rank()
 
     for step in range(start + 1, derived.total_steps + 1):
         seconds, t_step = {}, time.perf_counter()
-        # 1. This rank's prompts: a contiguous slice of the global batch, so groups never straddle ranks.
-        examples = [task.examples[i] for i in order.take(cursor, B)[rank * mine:(rank + 1) * mine]]
-        cursor += B
-        prompts = [encode_prompt(tokenizer, ex["messages"], cfg.max_prompt_len) for ex in examples]
-
-        # 2. Sample G completions per prompt, from a seed fixed by the step: a resumed run samples the same.
-        with timed(seconds, "generate"):
-            sampler.wake()
-            params.seed = cfg.seed * 1_000_003 + step * 1_009 + rank
-            completions = [c for group in sampler.generate(prompts, G, params) for c in group]  # S = mine * G
-            sampler.sleep()
-
-        # 3. Score every reward: (S, R) here, NaN where a reward does not apply or failed.
-        with timed(seconds, "reward"):
-            local, counts = scorer([c.text for c in completions], [ex for ex in examples for _ in range(G)],
-                                   [len(c.token_ids) for c in completions])
+        # 1-3. Prompts, G completions each, and their rewards (sample_groups): this rank's share of B groups.
+        #      --dynamic-sampling keeps only the groups the estimator can learn from, and samples more.
+        groups, cursor, sampled = sample_groups(step, cursor, order, task, tokenizer, sampler, scorer, cfg, derived,
+                                                names, conditions, weights, seconds)
+        K = sampled["groups_trained"]  # the same on every rank, a multiple of the world size
+        completions = [c for g in groups for c in g["completions"]]            # S = K / world * G
 
         # 4. Advantages over the global batch (GDPO's batch step must see every rank's groups).
-        rewards = dist.all_gather(local).view(B, G, R).double()                # (B, G, R)
-        lengths = dist.all_gather(torch.tensor([float(len(c.token_ids)) for c in completions])).view(B, G)  # (B, G)
-        shaped = apply_conditions(rewards, names, conditions)                  # (B, G, R) Eq. 8
-        adv_all = ESTIMATORS[cfg.estimator](shaped, weights.to(rewards.device), lengths=lengths)  # (B, G)
-        adv = adv_all[rank * mine:(rank + 1) * mine].reshape(-1).float().cpu()  # (S,)
+        rewards, lengths = sampled["rewards"], sampled["lengths"]              # (K, G, R), (K, G)
+        shaped = apply_conditions(rewards, names, conditions)                  # (K, G, R) Eq. 8
+        adv_all = ESTIMATORS[cfg.estimator](shaped, weights.to(rewards.device), lengths=lengths)  # (K, G)
+        first, last = rank * K // dist.world_size(), (rank + 1) * K // dist.world_size()
+        adv = adv_all[first:last].reshape(-1).float().cpu()                    # (S,)
 
-        # 5. Reference (and old) log-probs, one no-grad pass in micro-batches.
-        with timed(seconds, "logprob"):
-            seq_prompts = [p for p in prompts for _ in range(G)]
-            batches = micro_batches(seq_prompts, completions, adv, cfg.micro_batch_size, tokenizer.pad_token_id, device, G)
-            if ref is not None:
-                fill_logprobs(ref, batches, "ref_logp", cfg, reshard=True)
-            elif adapters and cfg.beta > 0:
-                with lora.adapters_off(model):
-                    fill_logprobs(model, batches, "ref_logp", cfg)
-            if cfg.num_iterations > 1:
-                fill_logprobs(model, batches, "old_logp", cfg)
+        if K == 0:  # --dynamic-sampling at its cap found no group to learn from: no update this step
+            totals = None
+        else:
+            # 5. Reference (and old) log-probs, one no-grad pass in micro-batches.
+            with timed(seconds, "logprob"):
+                seq_prompts = [g["prompt"] for g in groups for _ in range(G)]
+                batches = micro_batches(seq_prompts, completions, adv, cfg.micro_batch_size, tokenizer.pad_token_id, device, G)
+                if ref is not None:
+                    fill_logprobs(ref, batches, "ref_logp", cfg, reshard=True)
+                elif adapters and cfg.beta > 0:
+                    with lora.adapters_off(model):
+                        fill_logprobs(model, batches, "ref_logp", cfg)
+                if cfg.num_iterations > 1:
+                    fill_logprobs(model, batches, "old_logp", cfg)
 
-        # 6. The policy update: num_iterations optimizer steps over the micro-batches.
-        with timed(seconds, "update"):
-            tokens = max(1.0, dist.all_reduce(sum(mb["mask"].sum() for mb in batches).reshape(1)).item())
-            totals = update(model, opt, sched, batches, cfg, tokens / dist.world_size(), derived.seqs_per_rank)
+            # 6. The policy update: num_iterations optimizer steps over the micro-batches.
+            with timed(seconds, "update"):
+                tokens = max(1.0, dist.all_reduce(sum(mb["mask"].sum() for mb in batches).reshape(1)).item())
+                totals = update(model, opt, sched, batches, cfg, tokens / dist.world_size(), len(completions))
 
-        # 7. The sampler gets the new weights, streamed one whole tensor at a time.
-        with timed(seconds, "sync"):
-            sampler.load_weights(model.hf_state(dtype))
+            # 7. The sampler gets the new weights, streamed one whole tensor at a time.
+            with timed(seconds, "sync"):
+                sampler.load_weights(model.hf_state(dtype))
 
-        # 8. Log, and checkpoint when due.
-        truncated = dist.all_gather(torch.tensor([float(c.finish_reason == "length") for c in completions]))
-        work = dist.all_reduce(torch.tensor([model_tokens(batches, model.shares_prefix)], dtype=torch.float64)).item()
-        m = reward_metrics(rewards.cpu(), names, dist.all_gather_object(counts)) | step_metrics(totals)
-        m |= {"adv/mean": adv_all.mean().item(), "adv/std": adv_all.std().item(),
-              "adv/distinct_per_group": distinct_per_group(adv_all).float().mean().item(),
-              "adv/zero_groups": (adv_all.abs().amax(dim=1) < 1e-6).float().mean().item(),
-              "completion/len_mean": lengths.mean().item(), "completion/len_max": lengths.max().item(),
-              "completion/truncated_frac": truncated.mean().item(), "lr": sched.get_last_lr()[0]}
+        # 8. Log, and checkpoint when due. Rewards and lengths describe every completion sampled this step.
+        m = reward_metrics(sampled["all_rewards"], names, sampled["counts"]) | sampled["stats"]
+        if totals is not None:
+            work = dist.all_reduce(torch.tensor([model_tokens(batches, model.shares_prefix)], dtype=torch.float64)).item()
+            m |= step_metrics(totals) | {
+                "adv/mean": adv_all.mean().item(), "adv/std": adv_all.std().item(),
+                "adv/distinct_per_group": distinct_per_group(adv_all).float().mean().item(),
+                "adv/zero_groups": (adv_all.abs().amax(dim=1) < 1e-6).float().mean().item(),
+                "throughput/update_tokens_per_s": work / max(seconds["update"], 1e-9),
+                "throughput/update_tflops_per_device": 6 * n_params * work / max(seconds["update"], 1e-9) / 1e12
+                / dist.world_size()}
+            if m["sampler/logp_gap"] > cfg.logp_gap_warn:
+                log.write(f"warning: step {step}: sampler/trainer log-prob gap {m['sampler/logp_gap']:.3f} > "
+                          f"{cfg.logp_gap_warn} (stale or broken weight sync?)", error=True)
+        lens = sampled["all_lengths"]
+        m |= {"completion/len_mean": lens.mean().item(), "completion/len_max": lens.max().item(), "lr": sched.get_last_lr()[0],
+              "completion/truncated_frac": sampled["truncated"].mean().item(),
+              "throughput/gen_tokens_per_s": lens.sum().item() / max(seconds["generate"], 1e-9)}
         m |= {f"time/{k}": v for k, v in seconds.items()} | {"time/step": time.perf_counter() - t_step}
-        m |= {"throughput/gen_tokens_per_s": lengths.sum().item() / max(seconds["generate"], 1e-9),
-              "throughput/update_tokens_per_s": work / max(seconds["update"], 1e-9),
-              "throughput/update_tflops_per_device": 6 * n_params * work / max(seconds["update"], 1e-9) / 1e12
-              / dist.world_size()}
-        if m["sampler/logp_gap"] > cfg.logp_gap_warn:
-            log.write(f"warning: step {step}: sampler/trainer log-prob gap {m['sampler/logp_gap']:.3f} > "
-                      f"{cfg.logp_gap_warn} (stale or broken weight sync?)", error=True)
         log.log(step, m)
-        if cfg.samples_every and step % cfg.samples_every == 0:
-            log.samples(step, [{"prompt": tokenizer.decode(seq_prompts[i], skip_special_tokens=True)[-300:],
-                                "completion": completions[i].text, "advantage": adv[i].item(),
-                                "rewards": dict(zip(names, local[i].tolist()))} for i in range(min(4, len(completions)))])
+        if cfg.samples_every and step % cfg.samples_every == 0 and groups:
+            log.samples(step, [{"prompt": tokenizer.decode(groups[0]["prompt"], skip_special_tokens=True)[-300:],
+                                "completion": c.text, "advantage": adv[i].item(),
+                                "rewards": dict(zip(names, groups[0]["rewards"][i].tolist()))}
+                               for i, c in enumerate(groups[0]["completions"][:4])])
         if (cfg.save_every and step % cfg.save_every == 0) or step == derived.total_steps:
             try:
                 where = checkpoint.save(cfg.output_dir, step, model, opt, sched, tokenizer, {"cursor": cursor, **run},
@@ -198,11 +190,74 @@ def run_training(argv=None):
     dist.barrier()  # every rank got here: main's cleanup may close the connections
 
 
+def sample_groups(step, cursor, order, task, tokenizer, sampler, scorer, cfg, derived, names, conditions, weights,
+                  seconds):
+    """Steps 1-3: B prompts (each rank its contiguous slice, so groups never straddle ranks), G completions
+    each from a seed fixed by the step and the round (so a resumed run samples the same), and their (S, R)
+    rewards, NaN where a reward does not apply or failed.
+
+    With --dynamic-sampling a round keeps only the groups the estimator can tell apart (informative_groups,
+    on the conditioned rewards), and rounds of B fresh prompts follow until B are found or at most
+    --max-sample-rounds; the step then trains on what it found, rounded down to a multiple of the world
+    size (none: no update). The chosen groups, in the order they were sampled, are dealt out to the ranks
+    in equal shares, so every rank runs the same micro-batches and collectives. Returns this rank's
+    groups, the new cursor, and a dict of the chosen and of all sampled rewards, lengths and metrics.
+    """
+    B, G, R, rank, world = derived.prompts_per_step, cfg.group_size, len(names), dist.rank(), dist.world_size()
+    mine, params = derived.prompts_per_rank, SamplingParams(cfg.temperature, cfg.top_p, cfg.max_new_tokens,
+                                                            ignore_eos=cfg.ignore_eos)
+    found, local, seen = [], {}, {"rewards": [], "lengths": [], "truncated": [], "counts": []}
+    for rnd in range(cfg.max_sample_rounds if cfg.dynamic_sampling else 1):
+        examples = [task.examples[i] for i in order.take(cursor, B)[rank * mine:(rank + 1) * mine]]
+        cursor += B
+        prompts = [encode_prompt(tokenizer, ex["messages"], cfg.max_prompt_len) for ex in examples]
+        with timed(seconds, "generate"):
+            sampler.wake()
+            params.seed = cfg.seed * 1_000_003 + step * 1_009 + rank + rnd * 1_000_000_007
+            completions = [c for group in sampler.generate(prompts, G, params) for c in group]  # S = mine * G
+            sampler.sleep()
+        with timed(seconds, "reward"):
+            scores, counts = scorer([c.text for c in completions], [ex for ex in examples for _ in range(G)],
+                                    [len(c.token_ids) for c in completions])          # (S, R)
+        rewards = dist.all_gather(scores).view(B, G, R).double()                        # (B, G, R) every rank's
+        for key, value in (("rewards", rewards), ("counts", counts), ("lengths", dist.all_gather(
+                torch.tensor([float(len(c.token_ids)) for c in completions])).view(B, G)), ("truncated", dist.all_gather(
+                torch.tensor([float(c.finish_reason == "length") for c in completions])))):
+            seen[key].append(value)
+        keep = informative_groups(apply_conditions(rewards, names, conditions), weights.to(rewards.device),
+                                  cfg.estimator) if cfg.dynamic_sampling else torch.ones(B, dtype=torch.bool)  # (B,)
+        for i in range(mine):
+            local[(rnd, rank * mine + i)] = {"prompt": prompts[i], "completions": completions[i * G:(i + 1) * G],
+                                             "rewards": scores[i * G:(i + 1) * G]}
+        found += [(rnd, g) for g in range(B) if keep[g]]
+        if len(found) >= B:
+            break
+    chosen = found[:B] if len(found) >= B else found[:len(found) // world * world]
+    if cfg.dynamic_sampling:  # each chosen group, from the rank that sampled it
+        local = {k: v for part in dist.all_gather_object({k: local[k] for k in chosen if k in local}) for k, v in part.items()}
+    K, rounds = len(chosen), len(seen["rewards"])
+    stats = {"sampling/rounds": rounds, "sampling/groups_sampled": rounds * B, "sampling/groups_informative": len(found),
+             "sampling/groups_trained": K, "sampling/uninformative_frac": 1 - len(found) / (rounds * B),
+             "sampling/samples_per_trained": rounds * B / max(K, 1), "sampling/skipped_update": int(K == 0)}
+    by_round = [torch.stack([seen[key][r][g] for r, g in chosen]) if K else seen[key][0][:0] for key in ("rewards", "lengths")]
+    return [local[k] for k in chosen[rank * K // world:(rank + 1) * K // world]], cursor, {
+        "rewards": by_round[0], "lengths": by_round[1], "groups_trained": K, "stats": stats,
+        "all_rewards": torch.cat(seen["rewards"]).cpu(), "all_lengths": torch.cat(seen["lengths"]),
+        "truncated": torch.cat(seen["truncated"]), "counts": sum_counts(dist.all_gather_object(seen["counts"]))}
+
+
+def sum_counts(per_rank):
+    """The scorer's failure counts of every rank and round, as one list per rank for reward_metrics."""
+    return [{name: {kind: sum(c[name][kind] for c in rounds) for kind in RewardScorer.KINDS} for name in rounds[0]}
+            for rounds in per_rank]
+
+
 @contextmanager
 def timed(seconds, name):
+    """Add the seconds the block takes to seconds[name]."""
     t0 = time.perf_counter()
     yield
-    seconds[name] = time.perf_counter() - t0
+    seconds[name] = seconds.get(name, 0.0) + time.perf_counter() - t0
 
 
 def rewards_setup(cfg, task):
@@ -274,7 +329,8 @@ class Logger:
             self.wandb.log(row, step=step)
         self.bar.update(1)
         shown = {k.split("/")[1] if k.startswith("reward/") else k.split("/")[-1]: v for k, v in metrics.items()
-                 if (k.startswith("reward/") and k.endswith("/mean")) or k in ("kl", "time/step")}
+                 if (k.startswith("reward/") and k.endswith("/mean"))
+                 or k in ("kl", "sampling/uninformative_frac", "sampling/rounds", "time/step")}
         self.bar.set_postfix({k: f"{v:.3g}" for k, v in shown.items()})
 
     def samples(self, step, rows):
@@ -310,28 +366,15 @@ def start_end_table(first, last, names):
     return "\n".join(lines)
 
 
-def release_frames(error):
-    """Let go of the locals of the frames an exception's traceback keeps (run_training's holds the
-    sharded model), along its chain of causes and contexts; the traceback still prints."""
-    todo, seen = [error], set()
-    while todo:
-        e = todo.pop()
-        if e is not None and id(e) not in seen:
-            seen.add(id(e))
-            traceback.clear_frames(e.__traceback__)
-            todo += [e.__cause__, e.__context__]
-
-
 def main(argv=None):
     """Train; the process group is destroyed on every exit, errors included, once the training state that
     holds it is gone (dist.cleanup says why that order matters)."""
     try:
         run_training(argv)
     except BaseException as e:
-        release_frames(e)
+        dist.cleanup(e)
         raise
-    finally:
-        dist.cleanup()
+    dist.cleanup()
 
 
 if __name__ == "__main__":

@@ -117,15 +117,19 @@ def gdpo(rewards, weights=None, eps=EPS, lengths=None, single_reward_grpo=True):
     """
     if single_reward_grpo and rewards.shape[-1] == 1:
         return grpo(rewards, weights, eps)                           # (B, G)
-    w = _weights(rewards, weights)                                   # (R,)
-    a_k = group_zscore(rewards, eps)                                 # (B, G, R)  Eq. 4
-    a_sum = (a_k * w).sum(dim=-1)                                    # (B, G)     Eq. 5, 7
+    a_sum = gdpo_group(rewards, weights, eps)                        # (B, G)     Eq. 4, 5, 7
     has_reward = ~torch.isnan(rewards).all(dim=-1)                   # (B, G)
     flat = a_sum[has_reward]                                         # (M,)
     if flat.numel() < 2:
         return torch.zeros_like(a_sum)
     a = (a_sum - flat.mean()) / (flat.std() + eps)                   # (B, G)     Eq. 6, Bessel std
     return torch.where(has_reward, a, 0.0)
+
+
+def gdpo_group(rewards, weights=None, eps=EPS):
+    """GDPO's group step, Eq. 4-5 (weighted as in Eq. 7): each reward z-scored in its group, then summed."""
+    a_k = group_zscore(rewards, eps)                                 # (B, G, R)  Eq. 4
+    return (a_k * _weights(rewards, weights)).sum(dim=-1)            # (B, G)     Eq. 5, 7
 
 
 def gdpo_verl(rewards, weights=None, eps=VERL_EPS, lengths=None):
@@ -151,8 +155,7 @@ def gdpo_verl(rewards, weights=None, eps=VERL_EPS, lengths=None):
     gets L_i = 0); a completion of 0 tokens gets 0, as verl's mask gives it; with fewer
     than 2 tokens in the batch verl raises and this returns 0.
     """
-    w = _weights(rewards, weights)                                   # (R,)
-    a_sum = (group_zscore(rewards, eps) * w).sum(dim=-1)             # (B, G)
+    a_sum = gdpo_group(rewards, weights, eps)                        # (B, G)
     L = torch.ones_like(a_sum) if lengths is None else torch.as_tensor(lengths, device=a_sum.device).to(a_sum)  # (B, G)
     if L.shape != a_sum.shape:
         raise ValueError(f"lengths has shape {tuple(L.shape)}, expected {tuple(a_sum.shape)}")
@@ -216,11 +219,7 @@ def gdpo_nemo(rewards, weights=None, eps=NEMO_EPS, lengths=None, leave_one_out=T
     tiny positive number, here a zero spread is detected exactly; NaN rewards follow this
     module's rules (a sample with no reward gets 0 and stays out of the batch statistics).
     """
-    if rewards.shape[-1] < 2:
-        raise ValueError("gdpo_nemo needs two or more rewards, as NeMo-RL's GDPO estimator does; use grpo for one")
-    w = _weights(rewards, weights)                                   # (R,)
-    per_reward = leave_one_out_zscore(rewards, eps) if leave_one_out else group_zscore(rewards, eps)  # (B, G, R)
-    a_sum = (per_reward * w).sum(dim=-1)                             # (B, G)
+    a_sum = gdpo_nemo_group(rewards, weights, eps, leave_one_out)    # (B, G)
     has_reward = ~torch.isnan(rewards).all(dim=-1)                   # (B, G)
     flat = a_sum[has_reward]                                         # (M,)
     if flat.numel() < 2:
@@ -230,6 +229,14 @@ def gdpo_nemo(rewards, weights=None, eps=NEMO_EPS, lengths=None, leave_one_out=T
     return torch.where(has_reward, a, 0.0)
 
 
+def gdpo_nemo_group(rewards, weights=None, eps=NEMO_EPS, leave_one_out=True):
+    """NeMo-RL's group step: each reward against its leave-one-out baseline, then the weighted sum."""
+    if rewards.shape[-1] < 2:
+        raise ValueError("gdpo_nemo needs two or more rewards, as NeMo-RL's GDPO estimator does; use grpo for one")
+    per_reward = leave_one_out_zscore(rewards, eps) if leave_one_out else group_zscore(rewards, eps)  # (B, G, R)
+    return (per_reward * _weights(rewards, weights)).sum(dim=-1)     # (B, G)
+
+
 def distinct_per_group(advantages, decimals=4):
     """Distinct advantage values inside each group of (B, G): the training-time collapse signal."""
     keys = torch.round(advantages.float() * 10**decimals).sort(dim=1).values  # (B, G)
@@ -237,6 +244,26 @@ def distinct_per_group(advantages, decimals=4):
 
 
 ESTIMATORS = {"grpo": grpo, "grpo_no_std": grpo_no_std, "gdpo": gdpo, "gdpo_verl": gdpo_verl, "gdpo_nemo": gdpo_nemo}
+
+# Each estimator's advantages before its batch step: the within-group comparison, the only part that
+# can tell one completion of a prompt from another.
+GROUP_STEPS = {"grpo": grpo, "grpo_no_std": grpo_no_std,
+               "gdpo": lambda r, w: grpo(r, w) if r.shape[-1] == 1 else gdpo_group(r, w),
+               "gdpo_verl": lambda r, w: gdpo_group(r, w, VERL_EPS), "gdpo_nemo": gdpo_nemo_group}
+
+
+def informative_groups(rewards, weights, estimator, tol=1e-6):
+    """Which groups of (B, G, R) rewards carry a signal for `estimator`: bool (B,).
+
+    A group is informative when the estimator's own group-level advantages (before any batch step)
+    are not all zero: some |A_i| > tol. Where they are all zero the group's completions cannot be
+    told apart, and a batch step only shifts them all alike. Conditions (Eq. 8) are applied first by
+    the caller; NaN rewards follow the estimators' rules. This is not the variance of the summed
+    reward, which DAPO-style filters test: under GDPO, rewards (2,0,0) against (0,1,1) sum to 2 and 2,
+    yet each reward varies and the group step gives +-0.71; under every estimator here (1,0) against
+    (0,1) gives 0 (the two rewards' z-scores cancel), and so does a constant sum under GRPO.
+    """
+    return GROUP_STEPS[estimator](rewards, weights).abs().amax(dim=1) > tol  # (B,)
 
 
 # Conditioned rewards (Eq. 8): r_k counts only where another reward r_l passes a threshold.

@@ -51,48 +51,22 @@ def grpo_no_std_naive(rewards, weights=None, eps=EPS, lengths=None):
     return [_zscore_list(sums, eps, scale=False) for sums in _naive_sums(rewards, weights)]
 
 
-def gdpo_naive(rewards, weights=None, eps=EPS, lengths=None):
-    """Loop-over-groups GDPO: Eq. 4 per reward, Eq. 5/7 sum, Eq. 6 over the batch (GRPO for one reward)."""
-    R = len(rewards[0][0])
-    if R == 1:
-        return grpo_naive(rewards, weights, eps)
-    weights = [1.0] * R if weights is None else list(weights)
-    summed, applies = [], []
-    for group in rewards:
-        per_reward = [_zscore_list([_nan_to_none(s[k]) for s in group], eps) for k in range(R)]
-        summed.append([sum(weights[k] * per_reward[k][i] for k in range(R)) for i in range(len(group))])
-        applies.append([not all(math.isnan(r) for r in s) for s in group])
-    batch = [a for g, ok in zip(summed, applies) for a, o in zip(g, ok) if o]
-    if len(batch) < 2:
-        return [[0.0] * len(g) for g in summed]
-    mean, std = _mean_std(batch)
-    return [[(a - mean) / (std + eps) if o else 0.0 for a, o in zip(g, ok)] for g, ok in zip(summed, applies)]
-
-
-def gdpo_verl_naive(rewards, weights=None, eps=VERL_EPS, lengths=None):
-    """Loop-over-groups verl GDPO: group z-scores, then whiten a flat list of every response token."""
+def _gdpo_sums(rewards, weights, eps):
+    """GDPO's group step, one group at a time: each reward's z-scores, weighted and summed."""
     R = len(rewards[0][0])
     weights = [1.0] * R if weights is None else list(weights)
-    lengths = [[1] * len(g) for g in rewards] if lengths is None else lengths
     summed = []
     for group in rewards:
         per_reward = [_zscore_list([_nan_to_none(s[k]) for s in group], eps) for k in range(R)]
         summed.append([sum(weights[k] * per_reward[k][i] for k in range(R)) for i in range(len(group))])
-    counts = [[int(n) if not all(math.isnan(r) for r in s) else 0 for n, s in zip(ls, g)]
-              for ls, g in zip(lengths, rewards)]
-    tokens = [a for g, ns in zip(summed, counts) for a, n in zip(g, ns) for _ in range(n)]
-    if len(tokens) < 2:
-        return [[0.0] * len(g) for g in summed]
-    mean, std = _mean_std(tokens)
-    return [[(a - mean) / math.sqrt(std**2 + WHITEN_EPS) if n else 0.0 for a, n in zip(g, ns)]
-            for g, ns in zip(summed, counts)]
+    return summed
 
 
-def gdpo_nemo_naive(rewards, weights=None, eps=NEMO_EPS, lengths=None, leave_one_out=True):
-    """Loop-over-samples NeMo-RL GDPO: each sample's baseline and std from the others of its group."""
+def _nemo_sums(rewards, weights, eps, leave_one_out=True):
+    """NeMo-RL's group step, one sample at a time: the baseline and std of the others of its group."""
     R = len(rewards[0][0])
     weights = [1.0] * R if weights is None else list(weights)
-    summed, applies = [], []
+    summed = []
     for group in rewards:
         adv = [0.0] * len(group)
         for k in range(R):
@@ -105,7 +79,41 @@ def gdpo_nemo_naive(rewards, weights=None, eps=NEMO_EPS, lengths=None, leave_one
                 b, s = _mean_std(others)
                 adv[i] += weights[k] * ((v - b) / (s + eps) if max(others) > min(others) else v - b)
         summed.append(adv)
-        applies.append([not all(math.isnan(r) for r in s) for s in group])
+    return summed
+
+
+def _applies(rewards):
+    return [[not all(math.isnan(r) for r in s) for s in group] for group in rewards]
+
+
+def gdpo_naive(rewards, weights=None, eps=EPS, lengths=None):
+    """Loop-over-groups GDPO: Eq. 4 per reward, Eq. 5/7 sum, Eq. 6 over the batch (GRPO for one reward)."""
+    if len(rewards[0][0]) == 1:
+        return grpo_naive(rewards, weights, eps)
+    summed, applies = _gdpo_sums(rewards, weights, eps), _applies(rewards)
+    batch = [a for g, ok in zip(summed, applies) for a, o in zip(g, ok) if o]
+    if len(batch) < 2:
+        return [[0.0] * len(g) for g in summed]
+    mean, std = _mean_std(batch)
+    return [[(a - mean) / (std + eps) if o else 0.0 for a, o in zip(g, ok)] for g, ok in zip(summed, applies)]
+
+
+def gdpo_verl_naive(rewards, weights=None, eps=VERL_EPS, lengths=None):
+    """Loop-over-groups verl GDPO: group z-scores, then whiten a flat list of every response token."""
+    lengths = [[1] * len(g) for g in rewards] if lengths is None else lengths
+    summed = _gdpo_sums(rewards, weights, eps)
+    counts = [[int(n) if o else 0 for n, o in zip(ls, ok)] for ls, ok in zip(lengths, _applies(rewards))]
+    tokens = [a for g, ns in zip(summed, counts) for a, n in zip(g, ns) for _ in range(n)]
+    if len(tokens) < 2:
+        return [[0.0] * len(g) for g in summed]
+    mean, std = _mean_std(tokens)
+    return [[(a - mean) / math.sqrt(std**2 + WHITEN_EPS) if n else 0.0 for a, n in zip(g, ns)]
+            for g, ns in zip(summed, counts)]
+
+
+def gdpo_nemo_naive(rewards, weights=None, eps=NEMO_EPS, lengths=None, leave_one_out=True):
+    """Loop-over-samples NeMo-RL GDPO: each sample's baseline and std from the others of its group."""
+    summed, applies = _nemo_sums(rewards, weights, eps, leave_one_out), _applies(rewards)
     batch = [a for g, ok in zip(summed, applies) for a, o in zip(g, ok) if o]
     if len(batch) < 2:
         return [[0.0] * len(g) for g in summed]
@@ -117,4 +125,13 @@ def gdpo_nemo_naive(rewards, weights=None, eps=NEMO_EPS, lengths=None, leave_one
 NAIVE = {"grpo": grpo_naive, "grpo_no_std": grpo_no_std_naive, "gdpo": gdpo_naive,
          "gdpo_verl": gdpo_verl_naive, "gdpo_nemo": gdpo_nemo_naive}
 
+# Each estimator's advantages before its batch step, group by group.
+GROUP_STEPS_NAIVE = {"grpo": grpo_naive, "grpo_no_std": grpo_no_std_naive,
+                     "gdpo": lambda r, w: grpo_naive(r, w) if len(r[0][0]) == 1 else _gdpo_sums(r, w, EPS),
+                     "gdpo_verl": lambda r, w: _gdpo_sums(r, w, VERL_EPS),
+                     "gdpo_nemo": lambda r, w: _nemo_sums(r, w, NEMO_EPS)}
 
+
+def informative_groups_naive(rewards, weights, estimator, tol=1e-6):
+    """One bool per group: does some sample's group-level advantage exceed tol in size?"""
+    return [any(abs(a) > tol for a in group) for group in GROUP_STEPS_NAIVE[estimator](rewards, weights)]

@@ -54,6 +54,12 @@ class Config:
     """Sequences per forward/backward pass on one rank; gradient accumulation covers the rest."""
     num_iterations: int = 1
     """Optimizer passes over each sampled batch (mu in GRPO). 1 skips the old log-prob pass."""
+    dynamic_sampling: bool = False
+    """Train only on groups the estimator can learn from (some completion's group-level advantage is not 0,
+    advantages.informative_groups), sampling more prompts until the step holds batch_size such completions."""
+    max_sample_rounds: int = 4
+    """With --dynamic-sampling: rounds of sampling per step at most. At the cap the step trains on the groups it
+    found, rounded down to a multiple of the world size, and skips its update if none (sampling/skipped_update)."""
 
     # Optimisation
     lr: float = 5e-6
@@ -129,10 +135,9 @@ class Config:
     logprob_chunk: int = 1024
     """Tokens per chunk of the log-softmax, so [B, T, V] float32 logits never exist at once."""
     reduce_grads: str = "step"
-    """When FSDP2 reduces gradients over ranks. step: once per optimizer step, after the last micro-batch
-    (until then each rank holds its micro-batches' summed gradients whole, in fp32: 4 bytes per trainable
-    parameter). micro_batch: a reduce-scatter after every micro-batch, so gradients stay sharded (for models
-    whose whole gradient does not fit); with HSDP the all-reduce across nodes still runs once per step."""
+    """When FSDP2 reduces gradients over ranks. step: once, after the last micro-batch (until then each rank
+    holds the summed gradients whole, in fp32: 4 bytes per trainable parameter). micro_batch: a reduce-scatter
+    after each micro-batch, gradients sharded; with HSDP the all-reduce across nodes still runs once a step."""
 
     # LoRA (needs peft: pip install 'minigdpo[lora]')
     lora_rank: int = 0
@@ -190,20 +195,11 @@ PRESETS = {
                   output_dir="runs/smoke", sampler="hf", warmup_ratio=0.0, reward_timeout=5.0),
 }
 
-CHOICES = {
-    "estimator": tuple(ESTIMATORS),
-    "task": tuple(TASKS),
-    "lr_schedule": ("cosine", "constant"),
-    "loss_agg": AGGREGATIONS + tuple(TRL_NAMES),
-    "sampler": ("auto", "hf", "vllm"),
-    "dtype": ("auto", "bf16", "fp32"),
-    "length_unit": ("tokens", "words"),
-    "answer_format": ("answer", "boxed"),
-    "on_save_error": ("stop", "continue"),
-    "sharding": ("auto", "fsdp", "hsdp"),
-    "reduce_grads": ("step", "micro_batch"),
-    "preset": tuple(PRESETS),
-}
+CHOICES = {"estimator": tuple(ESTIMATORS), "task": tuple(TASKS), "loss_agg": AGGREGATIONS + tuple(TRL_NAMES),
+           "preset": tuple(PRESETS), "lr_schedule": ("cosine", "constant"), "sampler": ("auto", "hf", "vllm"),
+           "dtype": ("auto", "bf16", "fp32"), "length_unit": ("tokens", "words"), "answer_format": ("answer", "boxed"),
+           "on_save_error": ("stop", "continue"), "sharding": ("auto", "fsdp", "hsdp"),
+           "reduce_grads": ("step", "micro_batch")}
 
 
 def field_docs(cls=Config):
@@ -280,8 +276,8 @@ def validate(cfg):
     """Raise ConfigError on the first bad value. Needs no model, data or GPU."""
     for name, choices in CHOICES.items():
         _check(getattr(cfg, name) in choices, f"--{name.replace('_', '-')} {getattr(cfg, name)!r} is not one of {', '.join(choices)}")
-    positive = ["group_size", "batch_size", "micro_batch_size", "num_iterations", "max_prompt_len", "max_new_tokens",
-                "length_limit", "logprob_chunk", "keep_checkpoints"]
+    positive = ["group_size", "batch_size", "micro_batch_size", "num_iterations", "max_sample_rounds", "max_prompt_len",
+                "max_new_tokens", "length_limit", "logprob_chunk", "keep_checkpoints"]
     for name in positive:
         _check(getattr(cfg, name) >= 1, f"--{name.replace('_', '-')} must be >= 1, got {getattr(cfg, name)}")
     for name in ["max_steps", "save_every", "samples_every", "weight_decay", "max_grad_norm", "beta", "tis_cap", "final_eval"]:

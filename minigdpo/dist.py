@@ -12,6 +12,7 @@ itself and returns its result there, and a call site can hand it a tensor from a
 import datetime
 import gc
 import os
+import traceback
 
 import torch
 import torch.distributed as tdist
@@ -86,26 +87,28 @@ def device():
     return _device if _device is not None else torch.device("cpu")
 
 
-def cleanup():
+def cleanup(error=None):
     """Destroy the process group, and make sure it is gone: its worker threads joined and its
     connections closed before this returns, while the interpreter is still whole. A run that every
     rank finished meets at a barrier first (train.py), so that no rank closes its connections while
     a peer may still be reading the end of the last collective from them; error paths leave at once.
 
-    The caller must have let go of the sharded model and optimizer first (train.main does): their
-    FSDP2 state and DTensors hold the groups. torch's destroy_process_group only unregisters a
-    gloo group (ProcessGroupGloo has no shutdown(): Backend::shutdown is a no-op); the group
-    lives on until its last Python reference goes, and the device mesh keeps one in its
-    _pg_registry while DTensor's sharding-propagation cache keeps the mesh for the life of the
-    process. A group alive at interpreter exit is a crash left to chance: after each collective,
-    its worker thread drops the work's tensors, and a tensor that has a Python object needs the
-    GIL for that. If Python has begun finalizing, CPython ends the thread with pthread_exit, whose
-    unwinding meets a noexcept destructor: std::terminate, "terminate called without an active
-    exception", SIGABRT. So the mesh lets go of its groups here, and a collection frees what
-    cycles still hold them; the group's destructor then joins its worker threads (tests/test_cluster.py
-    counts them on every exit path).
+    torch's destroy_process_group only unregisters a gloo group: it lives on, worker threads and all,
+    until its last reference goes, and a group alive at interpreter exit can abort the process
+    ("terminate called without an active exception": README, Reliability, says how). The sharded model
+    and optimizer hold the groups, so the caller lets go of them first (train.main does; on an error
+    path the frames of `error`'s traceback, and of its causes, are released here); the device mesh lets
+    go of its groups here, and a collection frees the rest: the groups' destructors join their threads
+    (tests/test_cluster.py counts them on every exit path).
     """
     global _mesh
+    todo, seen = [error], set()
+    while todo:
+        e = todo.pop()
+        if e is not None and id(e) not in seen:
+            seen.add(id(e))
+            traceback.clear_frames(e.__traceback__)
+            todo += [e.__cause__, e.__context__]
     mesh, _mesh = _mesh, None
     if tdist.is_initialized():
         tdist.destroy_process_group()

@@ -182,12 +182,10 @@ def safetensors_files(path):
     return [f for f in [cached_file(path, "model.safetensors", **quiet)] if f]
 
 
-def checkpoint_tensors(path, dtype=None):
-    """Yield (name, tensor) for every tensor of the checkpoint at `path`, one at a time, in `dtype` when given."""
+def checkpoint_tensors(path):
+    """Yield (name, tensor) for every tensor of the checkpoint at `path`, one at a time."""
     from safetensors import safe_open
 
     for file in safetensors_files(path):
         with safe_open(file, "pt") as f:
-            for name in f.keys():
-                t = f.get_tensor(name)
-                yield name, t.to(dtype) if dtype is not None else t
+            yield from ((name, f.get_tensor(name)) for name in f.keys())

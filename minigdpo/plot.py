@@ -2,9 +2,10 @@
 
     python -m minigdpo.plot runs/grpo runs/gdpo -o curves.png
 
-One panel per reward mean, then the KL, the completion length and the number of distinct
-advantage values per group (the reward-collapse signal). Needs matplotlib
-(pip install 'minigdpo[plot]').
+One panel per reward mean, then the KL, the completion length, the number of distinct advantage
+values per group (the reward-collapse signal), the share of sampled groups the estimator cannot learn
+from, and, with --dynamic-sampling, the completions sampled per completion trained on. Needs
+matplotlib (pip install 'minigdpo[plot]').
 """
 
 import argparse
@@ -13,7 +14,9 @@ import math
 import os
 
 PANELS = [("kl", "KL to the reference"), ("completion/len_mean", "completion length (tokens)"),
-          ("adv/distinct_per_group", "distinct advantages per group")]
+          ("adv/distinct_per_group", "distinct advantages per group"),
+          ("sampling/uninformative_frac", "groups with no signal (share sampled)"),
+          ("sampling/samples_per_trained", "completions sampled per one trained")]
 
 
 def read_run(run_dir):
@@ -25,13 +28,14 @@ def read_run(run_dir):
 
 
 def panels_for(runs):
-    """Every reward mean seen in any run, in first-seen order, then the fixed panels."""
+    """Every reward mean seen in any run, in first-seen order, then the fixed panels some run logged."""
     rewards = []
     for rows in runs.values():
         for key in rows[0] if rows else []:
             if key.startswith("reward/") and key.endswith("/mean") and key not in rewards:
                 rewards.append(key)
-    return [(k, f"reward: {k[len('reward/'):-len('/mean')]}") for k in rewards] + PANELS
+    logged = [(k, title) for k, title in PANELS if any(k in row for rows in runs.values() for row in rows)]
+    return [(k, f"reward: {k[len('reward/'):-len('/mean')]}") for k in rewards] + logged
 
 
 def plot(run_dirs, out, labels=None):

@@ -7,8 +7,8 @@
 A Completion holds the sampled token ids (ending with the stop token when one was drawn),
 the log-prob of each under the sampling distribution at the given temperature (before
 top-p truncation, the same quantity the trainer recomputes), and why it ended. vLLM reports
-its log-probs after top-p truncation instead, which is why config.validate refuses
---top-p below 1 with any sampler but hf.
+its log-probs after top-p truncation instead, which is why config.check_sampler refuses
+--top-p below 1 with vLLM.
 
 The vLLM backend lives in minigdpo/vllm_sampler.py, with `make_sampler`, which picks one of the two.
 

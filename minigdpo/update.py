@@ -18,11 +18,10 @@ Aggregations (`agg`), each also known by its TRL `loss_type` name:
 | "seq_mean_token_mean"     | grpo     | sum_i (sum_t / T_i) / sequences of the global batch      |
 | "seq_mean_token_sum_norm" | dr_grpo  | sum_i (sum_t / max_len) / sequences of the global batch  |
 
-- micro_batch_token_mean is the paper's: the default `loss_type="bnpo"` of its released trl-0.18
-  code (NVlabs/GDPO trl-GDPO/trl-0.18.0-gdpo), whose Trainer then divides by the accumulation steps.
-  Each micro-batch weighs the same whatever its token count, so the result depends on how the batch
-  is cut: TRL cuts a random permutation of the sequences, minigdpo cuts whole groups in order of
-  prompt length (micro_batches), so the same batch gives a slightly different gradient.
+- micro_batch_token_mean is the paper's: the default `loss_type="bnpo"` of its released trl-0.18 code
+  (NVlabs/GDPO trl-GDPO). Each micro-batch weighs the same whatever its token count, so the result
+  depends on how a batch is cut: TRL cuts a random permutation of the sequences, minigdpo whole groups
+  in order of prompt length (micro_batches).
 - token_mean (DAPO) divides by the global token count, so gradient accumulation over micro-batches
   (and ranks) gives exactly the gradient of one large batch.
 - seq_mean_token_mean is the original GRPO objective; seq_mean_token_sum_norm is Dr. GRPO, whose

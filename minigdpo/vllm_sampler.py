@@ -100,14 +100,6 @@ class _KeepRNG:
             torch.cuda.set_rng_state_all(cuda)
 
 
-def _hf_names(path):
-    """The Hugging Face weight names of the checkpoint at `path`, read from a model on the meta device."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    with torch.device("meta"):
-        return weight_names(AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path)))
-
-
 class VLLMSampler:
     """Sampler interface over a colocated vLLM engine (see the module docstring for the order of calls)."""
 
@@ -126,7 +118,7 @@ class VLLMSampler:
                                 tensor_parallel_size=1, distributed_executor_backend="external_launcher",
                                 logprobs_mode="processed_logprobs")  # log-probs after temperature, as the trainer computes them
         self.weights_awake, self.kv_awake = True, True
-        self.expected = _hf_names(model_path)  # what every sync must send
+        self.expected = weight_names(models.empty_model(model_path, torch.float32))  # what every sync must send
 
     def _model(self):
         return self.llm.llm_engine.model_executor.driver_worker.model_runner.model

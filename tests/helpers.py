@@ -38,3 +38,13 @@ def never_applies(completion, example):
 RANGES = {"format": (0.0, 1.0), "correct": (0.0, 1.0), "integer": (0.0, 1.0), "length_ok": (0.0, 1.0),
           "tool_format": (0.0, 1.0), "tool_format_strict": (0.0, 1.0), "tool_correct": (-3.0, 3.0),
           "pass": (0.0, 1.0), "no_bug": (0.0, 1.0)}
+
+
+def odd_answers_only(completion, example):
+    """A signal only on problems with an odd answer: elsewhere every completion gets the same 1.0, so
+    those groups carry nothing (informative_groups drops them under --dynamic-sampling)."""
+    return sum(map(ord, completion)) % 97 / 97 if int(example["answer"]) % 2 else 1.0
+
+
+def constant(completion, example):
+    return 1.0

@@ -221,20 +221,23 @@ def test_bad_rows_stop_by_default_and_are_skipped_on_request(tmp_path):
 BAD_VALUES = {  # every config field, with a value it must refuse (the test below checks the list is complete)
     "preset": "huge", "model": " ", "task": "chess", "data": None, "rewards": None, "reward_weights": [float("nan")] * 3,
     "condition": None, "estimator": "ppo", "group_size": 1, "batch_size": 9, "micro_batch_size": 0, "num_iterations": 0,
+    "dynamic_sampling": None, "max_sample_rounds": 0,
     "lr": float("nan"), "lr_schedule": "linear", "warmup_ratio": 1.0, "weight_decay": -0.1, "max_grad_norm": -1.0,
     "beta": float("inf"), "clip_low": 1.0, "clip_high": -0.1, "loss_agg": "sum", "epochs": 0.0, "max_steps": -1,
     "seed": -1, "max_prompt_len": 0, "max_new_tokens": 0, "temperature": 0.0, "top_p": 1.5, "ignore_eos": None, "sampler": "tgi",
     "vllm_gpu_memory_utilization": 1.0, "tis_cap": 0.5, "logp_gap_warn": 0.0, "length_limit": 0, "length_unit": "chars",
     "answer_format": "latex", "arith_difficulty": 7, "reward_timeout": 0.0, "skip_bad_rows": None, "dtype": "fp8",
     "grad_checkpointing": None, "ref_offload": None, "logprob_chunk": 0, "output_dir": "", "save_every": -1,
-    "keep_checkpoints": 0, "on_save_error": "ignore", "sharding": "zero3", "reduce_grads": "never", "final_eval": -1, "resume": None, "samples_every": -1, "wandb": None,
+    "keep_checkpoints": 0, "on_save_error": "ignore", "sharding": "zero3", "reduce_grads": "never", "final_eval": -1,
+    "resume": None, "samples_every": -1, "wandb": None,
     # LoRA: a negative rank; at rank 0 (smoke's) any other LoRA flag is refused; see tests/test_lora.py for rank > 0
     "lora_rank": -1, "lora_alpha": float("nan"), "lora_dropout": 1.0, "lora_targets": [], "merge_on_save": True,
 }
 CHECKED_ELSEWHERE = {  # fields whose bad values are only known once data, rewards or the machine are consulted
     "data": "a missing file (test_train)", "rewards": "an unknown name (test_train)",
     "condition": "a malformed or unknown condition (test_train)", "skip_bad_rows": "a boolean", "grad_checkpointing": "a boolean", "ignore_eos": "a boolean",
-    "ref_offload": "a boolean", "resume": "a boolean", "wandb": "refused when wandb is not installed",
+    "ref_offload": "a boolean", "resume": "a boolean", "dynamic_sampling": "a boolean",
+    "wandb": "refused when wandb is not installed",
 }
 
 
