@@ -7,6 +7,7 @@ is a G x R matrix of 0/1. We enumerate every such group, run the real estimator 
     python examples/collapse.py                  # the table, every estimator: G = 2..16 (R=2), R = 2..8 (G=4)
     python examples/collapse.py --plot out.png   # and the figure (needs matplotlib)
     python examples/collapse.py --example        # the paper's smallest example (G = 2, two rewards)
+    python examples/collapse.py --informative    # the groups each estimator can learn from (--dynamic-sampling)
 
 Counting rules:
 - A group is a multiset of samples, so an advantage vector is compared sorted.
@@ -33,7 +34,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from minigdpo.advantages import ESTIMATORS, group_zscore  # noqa: E402
+from minigdpo.advantages import ESTIMATORS, group_zscore, informative_groups  # noqa: E402
 
 DECIMALS = 6
 
@@ -126,15 +127,33 @@ def two_sample_example():
     return "\n".join(lines)
 
 
+def informative_table(cases=((2, 2), (2, 3), (3, 3), (4, 2), (4, 3), (4, 4), (6, 3), (8, 3))):
+    """For every binary group of G samples and R rewards (a multiset of G reward vectors): how many a
+    variance filter on the summed reward keeps (DAPO's, and the peers'), how many each estimator can
+    learn from (informative_groups), and how many GDPO can use that the summed filter drops."""
+    lines = [f"{'G':>3} {'R':>3} {'groups':>8} {'sum varies':>11} " + " ".join(f"{e:>11}" for e in ESTIMATORS)
+             + f" {'gdpo only':>10}"]
+    for G, R in cases:
+        patterns = torch.tensor(list(itertools.product([0.0, 1.0], repeat=R)), dtype=torch.float64)  # (2^R, R)
+        groups = patterns[torch.tensor(list(itertools.combinations_with_replacement(range(2**R), G)))]  # (M, G, R)
+        summed = groups.sum(-1).std(dim=1) > 0                                                        # (M,)
+        keeps = {e: informative_groups(groups, None, e) for e in ESTIMATORS if not (e == "gdpo_nemo" and R < 2)}
+        lines.append(f"{G:>3} {R:>3} {len(groups):>8} {int(summed.sum()):>11} "
+                     + " ".join(f"{int(k.sum()):>11}" for k in keeps.values())
+                     + f" {int((keeps['gdpo'] & ~summed).sum()):>10}")
+    return "\n".join(lines)
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--plot", metavar="PNG", help="also draw the figure to this file")
     parser.add_argument("--example", action="store_true", help="print the paper's G=2 example instead of the table")
+    parser.add_argument("--informative", action="store_true", help="print the informative-group counts instead")
     parser.add_argument("--max-group", type=int, default=16, help="largest G in the first sweep")
     parser.add_argument("--max-rewards", type=int, default=8, help="largest R in the second sweep")
     args = parser.parse_args(argv)
-    if args.example:
-        print(two_sample_example())
+    if args.example or args.informative:
+        print(two_sample_example() if args.example else informative_table())
         return
     rows = table(range(2, args.max_group + 1), range(2, args.max_rewards + 1))
     print(format_table(rows))

@@ -2,6 +2,7 @@
 
     python examples/toy_multireward.py                 # all settings, 8 seeds each, about 20 s on 2 cores
     python examples/toy_multireward.py --plot toy.png  # and the curves (needs matplotlib)
+    python examples/toy_multireward.py --dynamic-sampling   # each setting with and without dynamic sampling
 
 The task. Each of P prompts has a hidden 8-bit target. A response is 8 binary tokens. Three
 rewards check different parts of it against the target:
@@ -32,7 +33,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from minigdpo.advantages import ESTIMATORS  # noqa: E402
+from minigdpo.advantages import ESTIMATORS, informative_groups  # noqa: E402
 from minigdpo.update import policy_loss  # noqa: E402
 
 BITS = 8
@@ -44,8 +45,13 @@ SETTINGS = {  # name: (reward bit groups, group size G)
 NAMES = {3: ["easy", "medium", "hard"]}
 
 
-def run(estimator, groups, G, seed, steps=200, prompts=32, batch=16, lr=0.05):
-    """Train one policy; returns per-step success rates (steps, R + 1): each reward, then all of them."""
+def run(estimator, groups, G, seed, steps=200, prompts=32, batch=16, lr=0.05, dynamic=False, max_rounds=4):
+    """Train one policy; returns per-step success rates (steps, R + 1): each reward, then all of them, on
+    the step's first `batch` groups (before any filtering), and the completions sampled in all.
+
+    dynamic=True is train.py's --dynamic-sampling: a round of `batch` prompts keeps the groups the
+    estimator can tell apart (informative_groups), and rounds follow, at most max_rounds, until `batch`
+    are found; the step trains on those (at the cap, on what it found; on none, it skips the update)."""
     g = torch.Generator().manual_seed(seed)
     targets = torch.randint(0, 2, (prompts, BITS), generator=g)               # (P, BITS)
     logits = torch.zeros(prompts, BITS, requires_grad=True)                   # (P, BITS) the policy
@@ -54,23 +60,34 @@ def run(estimator, groups, G, seed, steps=200, prompts=32, batch=16, lr=0.05):
     for k, bits in enumerate(groups):
         masks[k, bits] = True
     all_bits = masks.any(0)                                                   # (BITS,)
-    history = []
+    history, sampled = [], 0
     for _ in range(steps):
-        idx = torch.randint(0, prompts, (batch,), generator=g)                # (B,)
-        p = torch.sigmoid(logits[idx]).detach()                               # (B, BITS)
-        bits = (torch.rand(batch, G, BITS, generator=g) < p[:, None]).long()  # (B, G, BITS) sampled responses
-        right = bits == targets[idx][:, None]                                 # (B, G, BITS)
-        rewards = torch.stack([right[..., m].all(-1) for m in masks], -1).float()  # (B, G, R)
-        adv = ESTIMATORS[estimator](rewards, None)                            # (B, G)
-        lp = torch.nn.functional.logsigmoid(torch.where(bits == 1, 1.0, -1.0) * logits[idx][:, None])  # (B, G, BITS)
-        lp = lp.reshape(batch * G, BITS)                                      # (N, T): one token per bit
+        kept = []                                                             # (idx, bits, rewards) per round
+        for round_ in range(max_rounds if dynamic else 1):
+            idx = torch.randint(0, prompts, (batch,), generator=g)            # (B,)
+            p = torch.sigmoid(logits[idx]).detach()                           # (B, BITS)
+            bits = (torch.rand(batch, G, BITS, generator=g) < p[:, None]).long()  # (B, G, BITS) sampled responses
+            right = bits == targets[idx][:, None]                             # (B, G, BITS)
+            rewards = torch.stack([right[..., m].all(-1) for m in masks], -1).float()  # (B, G, R)
+            sampled += batch * G
+            if round_ == 0:
+                every = right[..., all_bits].all(-1).float().mean()
+                history.append(torch.cat([rewards.mean((0, 1)), every.reshape(1)]))
+            keep = informative_groups(rewards, None, estimator) if dynamic else torch.ones(batch, dtype=torch.bool)
+            kept.append((idx[keep], bits[keep], rewards[keep]))
+            if sum(len(k[0]) for k in kept) >= batch:
+                break
+        idx, bits, rewards = (torch.cat(parts)[:batch] for parts in zip(*kept))  # (K, ...), K <= batch
+        if len(idx) == 0:
+            continue
+        adv = ESTIMATORS[estimator](rewards, None)                            # (K, G)
+        lp = torch.nn.functional.logsigmoid(torch.where(bits == 1, 1.0, -1.0) * logits[idx][:, None])  # (K, G, BITS)
+        lp = lp.reshape(len(idx) * G, BITS)                                   # (N, T): one token per bit
         loss, _ = policy_loss(lp, lp.detach(), None, adv.reshape(-1), torch.ones_like(lp), beta=0.0)
         opt.zero_grad()
         loss.backward()
         opt.step()
-        every = right[..., all_bits].all(-1).float().mean()
-        history.append(torch.cat([rewards.mean((0, 1)), every.reshape(1)]))
-    return torch.stack(history)                                               # (steps, R + 1)
+    return torch.stack(history), sampled                                      # (steps, R + 1), completions
 
 
 def summarise(curves, last=30):
@@ -84,13 +101,16 @@ def main():
     p.add_argument("--seeds", type=int, default=8)
     p.add_argument("--steps", type=int, default=200)
     p.add_argument("--plot", metavar="PNG", help="draw the curves of every setting")
+    p.add_argument("--dynamic-sampling", action="store_true", help="compare every setting with and without it")
     args = p.parse_args()
     torch.set_num_threads(1)
     t0 = time.time()
+    if args.dynamic_sampling:
+        return compare_dynamic(args.seeds, args.steps, t0)
     results = {}
     for setting, (groups, G) in SETTINGS.items():
         for est in ("grpo", "gdpo"):
-            results[setting, est] = torch.stack([run(est, groups, G, seed, args.steps) for seed in range(args.seeds)])
+            results[setting, est] = torch.stack([run(est, groups, G, seed, args.steps)[0] for seed in range(args.seeds)])
     cols = ["reward 1", "reward 2", "reward 3", "all three"]
     print(f"success rate over the last 30 of {args.steps} steps, mean +- std over {args.seeds} seeds")
     print(f"{'setting':<15} {'method':<6} " + " ".join(f"{c:>15}" for c in cols))
@@ -100,6 +120,22 @@ def main():
     print(f"({time.time() - t0:.0f} s; rewards are easy/medium/hard in the unequal settings, 2 bits each when equal)")
     if args.plot:
         plot(results, args.plot, cols)
+
+
+def compare_dynamic(seeds, steps, t0):
+    """The final "all three" success rate with and without dynamic sampling, and the completions sampled."""
+    print(f'"all three" success over the last 30 of {steps} steps (mean +- std over {seeds} seeds), and the '
+          "completions sampled per run (mean), with dynamic sampling (at most 4 rounds) and without")
+    print(f"{'setting':<15} {'method':<6} {'dynamic':<8} {'all three':>16} {'completions sampled':>20}")
+    for setting, (groups, G) in SETTINGS.items():
+        for est in ("grpo", "gdpo"):
+            for dynamic in (False, True):
+                runs = [run(est, groups, G, seed, steps, dynamic=dynamic) for seed in range(seeds)]
+                mean, std = summarise(torch.stack([curve for curve, _ in runs]))
+                total = sum(n for _, n in runs) / seeds
+                print(f"{setting:<15} {est:<6} {'yes' if dynamic else 'no':<8} {mean[-1]:>8.3f} +- {std[-1]:.3f} "
+                      f"{total:>20,.0f}", flush=True)
+    print(f"({time.time() - t0:.0f} s)")
 
 
 def plot(results, path, cols):

@@ -132,3 +132,13 @@ def test_resume_is_exact_across_a_step_that_needed_extra_rounds(tmp_path):
     wb = load_file(os.path.join(b, "checkpoints", "step_000004", "hf", "model.safetensors"))
     assert all(torch.equal(wa[k], wb[k]) for k in wa)
     assert [r["sampling/rounds"] for r in read_jsonl(os.path.join(b, "metrics.jsonl"))] == [r["sampling/rounds"] for r in rows]
+
+
+def test_the_readme_count_of_groups_a_summed_filter_drops():
+    import sys
+
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples"))
+    from collapse import informative_table
+
+    header, row = informative_table(((4, 3),)).splitlines()
+    assert header.split()[-1] == "only" and row.split() == ["4", "3", "330", "298", "298", "298", "304", "304", "304", "6"]

@@ -67,8 +67,12 @@ def test_plot_without_matplotlib_says_how_to_install(tmp_path, monkeypatch):
 def test_toy_experiment_learns_with_both_estimators():
     groups, G = toy_multireward.SETTINGS["unequal, G=16"]
     for est in ("grpo", "gdpo"):
-        curve = toy_multireward.run(est, groups, G, seed=0, steps=60)
-        assert curve.shape == (60, 4) and ((curve >= 0) & (curve <= 1)).all()
+        curve, sampled = toy_multireward.run(est, groups, G, seed=0, steps=60)
+        assert curve.shape == (60, 4) and ((curve >= 0) & (curve <= 1)).all() and sampled == 60 * 16 * G
         assert curve[-10:, 0].mean() > curve[:10, 0].mean() + 0.2  # the easy reward is learned
+        curve, sampled = toy_multireward.run(est, groups, G, seed=0, steps=60, dynamic=True)
+        assert curve[-10:, 0].mean() > curve[:10, 0].mean() + 0.2 and sampled >= 60 * 16 * G
+    small, G = toy_multireward.SETTINGS["unequal, G=4"]  # groups of 4 often all fail alike: extra rounds
+    assert toy_multireward.run("gdpo", small, G, seed=0, steps=30, dynamic=True)[1] > 30 * 16 * G
     mean, std = toy_multireward.summarise(torch.stack([curve, curve]), last=5)
     assert std.abs().max() == 0 and mean.shape == (4,)
