@@ -142,3 +142,15 @@ def test_the_readme_count_of_groups_a_summed_filter_drops():
 
     header, row = informative_table(((4, 3),)).splitlines()
     assert header.split()[-1] == "only" and row.split() == ["4", "3", "330", "298", "298", "298", "304", "304", "304", "6"]
+
+
+@pytest.mark.parametrize("backend", ["vllm", "lora"])
+def test_dynamic_sampling_with_the_vllm_sampler_and_with_lora(tmp_path, backend):
+    """The fake vLLM engine (tests/vllm_train.py), and LoRA adapters on the HF sampler."""
+    out = str(tmp_path / "run")
+    args = DS[1:] + ["--max-steps", "3", "--max-sample-rounds", "3", "--save-every", "0", "--output-dir", out]
+    run(["tests/vllm_train.py"] + args if backend == "vllm" else ["train.py"] + args + ["--lora-rank", "4"])
+    rows = read_jsonl(os.path.join(out, "metrics.jsonl"))
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    assert all(r["sampling/groups_trained"] <= r["sampling/groups_informative"] for r in rows)
+    assert any(r["sampling/groups_trained"] > 0 for r in rows)
