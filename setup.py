@@ -10,6 +10,7 @@ setup(
     long_description_content_type="text/markdown",
     python_requires=">=3.10",
     packages=["minigdpo", "rewards"],
+    package_data={"rewards": ["code_problems.jsonl"]},  # the code task's built-in problems
     install_requires=[
         "torch>=2.6",  # FSDP2's public fully_shard
         # vLLM 0.33.0 declares transformers>=5.16.1,<5.21 (recorded in minigdpo/vllm_sampler.py). Declaring the
