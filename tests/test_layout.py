@@ -81,3 +81,17 @@ def test_the_rl_core_stays_within_its_budget():
     lengths = {os.path.relpath(p, ROOT): sum(1 for _ in open(p)) for p in core}
     assert max(lengths.values()) <= 400, {p: n for p, n in lengths.items() if n > 400}
     assert sum(lengths.values()) <= 4000, sum(lengths.values())
+
+
+def test_the_readme_points_at_the_lines_it_names():
+    """README's "GDPO in three lines" links lines of advantages.py: each must still hold what it names."""
+    import re
+
+    readme = open(os.path.join(ROOT, "README.md")).read()
+    lines = open(os.path.join(ROOT, "minigdpo", "advantages.py")).read().split("\n")
+    expected = {"Eq. 4": "group_zscore(rewards, eps)", "Eq. 5": "_weights(rewards, weights)).sum",
+                "Eq. 6": "/ (flat.std() + eps)", "group_zscore": "var.sqrt() + eps", "apply_conditions": "def apply_conditions"}
+    anchors = [int(n) for n in re.findall(r"minigdpo/advantages\.py#L(\d+)", readme)]
+    assert len(anchors) == len(expected)
+    for n in anchors:
+        assert any(code in lines[n - 1] for code in expected.values()), (n, lines[n - 1])
