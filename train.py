@@ -106,8 +106,7 @@ def run_training(argv=None):
 
     for step in range(start + 1, derived.total_steps + 1):
         seconds, t_step = {}, time.perf_counter()
-        # 1-3. Prompts, G completions each, and their rewards (sample_groups): this rank's share of B groups.
-        #      --dynamic-sampling keeps only the groups the estimator can learn from, and samples more.
+        # 1-3. Prompts, G completions each, their rewards: this rank's share of B groups (sample_groups).
         groups, cursor, sampled = sample_groups(step, cursor, order, task, tokenizer, sampler, scorer, cfg, derived,
                                                 names, conditions, weights, seconds)
         K = sampled["groups_trained"]  # the same on every rank, a multiple of the world size
@@ -206,7 +205,7 @@ def sample_groups(step, cursor, order, task, tokenizer, sampler, scorer, cfg, de
     B, G, R, rank, world = derived.prompts_per_step, cfg.group_size, len(names), dist.rank(), dist.world_size()
     mine, params = derived.prompts_per_rank, SamplingParams(cfg.temperature, cfg.top_p, cfg.max_new_tokens,
                                                             ignore_eos=cfg.ignore_eos)
-    found, local, seen = [], {}, {"rewards": [], "lengths": [], "truncated": [], "counts": []}
+    found, informative, local, seen = [], 0, {}, {"rewards": [], "lengths": [], "truncated": [], "counts": []}
     for rnd in range(cfg.max_sample_rounds if cfg.dynamic_sampling else 1):
         examples = [task.examples[i] for i in order.take(cursor, B)[rank * mine:(rank + 1) * mine]]
         cursor += B
@@ -220,12 +219,13 @@ def sample_groups(step, cursor, order, task, tokenizer, sampler, scorer, cfg, de
             scores, counts = scorer([c.text for c in completions], [ex for ex in examples for _ in range(G)],
                                     [len(c.token_ids) for c in completions])          # (S, R)
         rewards = dist.all_gather(scores).view(B, G, R).double()                        # (B, G, R) every rank's
-        for key, value in (("rewards", rewards), ("counts", counts), ("lengths", dist.all_gather(
-                torch.tensor([float(len(c.token_ids)) for c in completions])).view(B, G)), ("truncated", dist.all_gather(
-                torch.tensor([float(c.finish_reason == "length") for c in completions])))):
+        lengths = dist.all_gather(torch.tensor([float(len(c.token_ids)) for c in completions])).view(B, G)  # (B, G)
+        truncated = dist.all_gather(torch.tensor([float(c.finish_reason == "length") for c in completions]))  # (B*G,)
+        for key, value in zip(seen, (rewards, lengths, truncated, counts)):
             seen[key].append(value)
-        keep = informative_groups(apply_conditions(rewards, names, conditions), weights.to(rewards.device),
-                                  cfg.estimator) if cfg.dynamic_sampling else torch.ones(B, dtype=torch.bool)  # (B,)
+        keep = informative_groups(apply_conditions(rewards, names, conditions), weights.to(rewards.device), cfg.estimator)
+        informative += int(keep.sum())                                                  # logged with or without the flag
+        keep = keep if cfg.dynamic_sampling else torch.ones(B, dtype=torch.bool)        # (B,)
         for i in range(mine):
             local[(rnd, rank * mine + i)] = {"prompt": prompts[i], "completions": completions[i * G:(i + 1) * G],
                                              "rewards": scores[i * G:(i + 1) * G]}
@@ -236,8 +236,8 @@ def sample_groups(step, cursor, order, task, tokenizer, sampler, scorer, cfg, de
     if cfg.dynamic_sampling:  # each chosen group, from the rank that sampled it
         local = {k: v for part in dist.all_gather_object({k: local[k] for k in chosen if k in local}) for k, v in part.items()}
     K, rounds = len(chosen), len(seen["rewards"])
-    stats = {"sampling/rounds": rounds, "sampling/groups_sampled": rounds * B, "sampling/groups_informative": len(found),
-             "sampling/groups_trained": K, "sampling/uninformative_frac": 1 - len(found) / (rounds * B),
+    stats = {"sampling/rounds": rounds, "sampling/groups_sampled": rounds * B, "sampling/groups_informative": informative,
+             "sampling/groups_trained": K, "sampling/uninformative_frac": 1 - informative / (rounds * B),
              "sampling/samples_per_trained": rounds * B / max(K, 1), "sampling/skipped_update": int(K == 0)}
     by_round = [torch.stack([seen[key][r][g] for r, g in chosen]) if K else seen[key][0][:0] for key in ("rewards", "lengths")]
     return [local[k] for k in chosen[rank * K // world:(rank + 1) * K // world]], cursor, {
