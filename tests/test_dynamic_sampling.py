@@ -42,8 +42,10 @@ def test_rewards_that_cancel_are_uninformative_for_every_estimator():
 @pytest.mark.parametrize("estimator", sorted(ESTIMATORS))
 @pytest.mark.parametrize("G,R", [(2, 2), (3, 2), (4, 3), (5, 1)])
 def test_informative_groups_equals_the_naive_loop(estimator, G, R):
-    if estimator == "gdpo_nemo" and R == 1:
-        pytest.skip("NeMo-RL's GDPO refuses a single reward")
+    if estimator == "gdpo_nemo" and R == 1:  # NeMo-RL's GDPO refuses a single reward, and so does its twin here
+        with pytest.raises(ValueError, match="two or more rewards"):
+            informative_groups(torch.zeros(4, G, R, dtype=torch.float64), None, estimator)
+        return
     g = torch.Generator().manual_seed(G * 10 + R)
     binary = torch.randint(0, 2, (64, G, R), generator=g).double()                 # many ties and constants
     scales = torch.randn(64, G, R, generator=g).double() * torch.tensor([1.0, 10.0, 0.01][:R], dtype=torch.float64)
