@@ -4,8 +4,8 @@
 
 One panel per reward mean, then the KL, the completion length, the number of distinct advantage
 values per group (the reward-collapse signal), the share of sampled groups the estimator cannot learn
-from, and, with --dynamic-sampling, the completions sampled per completion trained on. Needs
-matplotlib (pip install 'minigdpo[plot]').
+from, and the completions sampled per completion trained on (above 1 only with --dynamic-sampling).
+Needs matplotlib (pip install 'minigdpo[plot]').
 """
 
 import argparse
