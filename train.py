@@ -80,6 +80,9 @@ def run_training(argv=None):
     opt = optimizer(model, cfg.lr, cfg.weight_decay)  # the parameters that require grad: with LoRA, the adapters
     n_trainable, n_params = lora.trainable_count(model)  # global counts, also under FSDP
     dist.print0(f"parameters: {n_params:,}, trainable: {n_trainable:,}")
+    # Model FLOPs per token of an update pass: forward 2N, input gradients 2N, weight gradients 2 per trainable
+    # parameter (6N in full fine-tuning; LoRA's frozen weights get none). Recomputation is not counted (MFU).
+    flops_per_token = 4 * n_params + 2 * n_trainable
     sched = scheduler(opt, derived.total_steps * cfg.num_iterations, cfg.warmup_ratio, cfg.lr_schedule)
     stop_ids = models.stop_token_ids(model.lm.config, model.lm.generation_config, tokenizer)
     sampler = make_sampler(cfg.sampler, path, device, tokenizer, stop_ids, dtype, seed=cfg.seed + dist.rank(),
@@ -106,6 +109,8 @@ def run_training(argv=None):
 
     for step in range(start + 1, derived.total_steps + 1):
         seconds, t_step = {}, time.perf_counter()
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
         # 1-3. Prompts, G completions each, their rewards: this rank's share of B groups (sample_groups).
         groups, cursor, sampled = sample_groups(step, cursor, order, task, tokenizer, sampler, scorer, cfg, derived,
                                                 names, conditions, weights, seconds)
@@ -146,13 +151,15 @@ def run_training(argv=None):
         # 8. Log, and checkpoint when due. Rewards and lengths describe every completion sampled this step.
         m = reward_metrics(sampled["all_rewards"], names, sampled["counts"]) | sampled["stats"]
         if totals is not None:
-            work = dist.all_reduce(torch.tensor([model_tokens(batches, model.shares_prefix)], dtype=torch.float64)).item()
+            # Tokens through the model in the update, every rank and all num_iterations passes.
+            work = cfg.num_iterations * dist.all_reduce(torch.tensor([model_tokens(batches, model.shares_prefix)],
+                                                                     dtype=torch.float64)).item()
             m |= step_metrics(totals) | {
                 "adv/mean": adv_all.mean().item(), "adv/std": adv_all.std().item(),
                 "adv/distinct_per_group": distinct_per_group(adv_all).float().mean().item(),
                 "adv/zero_groups": (adv_all.abs().amax(dim=1) < 1e-6).float().mean().item(),
                 "throughput/update_tokens_per_s": work / max(seconds["update"], 1e-9),
-                "throughput/update_tflops_per_device": 6 * n_params * work / max(seconds["update"], 1e-9) / 1e12
+                "throughput/update_tflops_per_device": flops_per_token * work / max(seconds["update"], 1e-9) / 1e12
                 / dist.world_size()}
             if m["sampler/logp_gap"] > cfg.logp_gap_warn:
                 log.write(f"warning: step {step}: sampler/trainer log-prob gap {m['sampler/logp_gap']:.3f} > "
@@ -162,6 +169,9 @@ def run_training(argv=None):
               "completion/truncated_frac": sampled["truncated"].mean().item(),
               "throughput/gen_tokens_per_s": lens.sum().item() / max(seconds["generate"], 1e-9)}
         m |= {f"time/{k}": v for k, v in seconds.items()} | {"time/step": time.perf_counter() - t_step}
+        if device.type == "cuda":  # the step's peak over every phase, this rank's (rank 0 logs)
+            m["memory/peak_allocated_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
+            m["memory/peak_reserved_gib"] = torch.cuda.max_memory_reserved(device) / 2**30
         log.log(step, m)
         if cfg.samples_every and step % cfg.samples_every == 0 and groups:
             log.samples(step, [{"prompt": tokenizer.decode(groups[0]["prompt"], skip_special_tokens=True)[-300:],

@@ -201,8 +201,9 @@ def prefix_gradients_match(path, device, mb, args):
     grads = []
     for share in (True, False):
         model.zero_grad(set_to_none=True)
+        model.shares_prefix = share  # False: one full sequence per completion (LogProbModel.forward)
         logp = model(mb["prompt_ids"], mb["prompt_mask"], mb["repeats"], mb["completion_ids"], mb["mask"],
-                     1.0, args.chunk, False, share_prefix=share)                   # (n, T)
+                     1.0, args.chunk, False)                                       # (n, T)
         (logp * mb["adv"][:, None]).sum().backward()
         grads.append([p.grad.to_local().clone() for p in model.parameters()])
     diff = max((a - b).abs().max().item() for a, b in zip(*grads))
@@ -246,7 +247,7 @@ def export_figures(model, tokenizer, path, source, args):
     checkpoint.save_file, dist.full_tensor = save_file, full_tensor
     max_shard, checkpoint.MAX_SHARD_BYTES = checkpoint.MAX_SHARD_BYTES, args.export_shard_mb * MB
     try:
-        error = checkpoint._write_hf(model, tokenizer, path, save_dtype, 1)
+        error = checkpoint._write_hf(model, tokenizer, path, save_dtype)
     finally:
         checkpoint.save_file, dist.full_tensor, checkpoint.MAX_SHARD_BYTES = orig_save, orig_full, max_shard
     assert not error, error
@@ -331,7 +332,7 @@ def main(argv=None):
     opt = optimizer(model, 1e-5, 0.0)
     sched = scheduler(opt, 10, 0.0, "constant")
     with Collectives() as coll, MatmulFlops() as flops:
-        update(model, opt, sched, batches, cfg, tokens / world, sum(len(mb["index"]) for mb in batches))
+        update(model, opt, sched, batches, cfg, tokens / world, sum(mb["mask"].shape[0] for mb in batches))
     n_mb = len(batches)
     per_layer = coll.per_layer(coll.gathers) / n_mb
     grad_diff = prefix_gradients_match(path, device, batches[0], args)

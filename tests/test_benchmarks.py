@@ -35,3 +35,9 @@ def test_logprob_memory_benchmark_compares_chunked_with_naive():
     diffs = [float(x) for x in re.findall(r"(?:logp|grad_h|grad_w) ([\d.e+-]+)", out)]
     assert len(diffs) == 3 and max(diffs) < 1e-5
     assert ratio < 100
+
+
+def test_gpu_proxies_run_end_to_end():
+    """The proxies' whole script, one rank (its update once read a micro-batch key that no longer exists)."""
+    out = bench("gpu_proxies.py", *SMALL_QWEN2, "--chunk", "32")
+    assert "share of matmul FLOPs in fp32" in out and "HF sampler host syncs per generated token" in out

@@ -5,6 +5,7 @@ Run: pytest tests/test_train.py   (about a minute on 2 cores)
 """
 
 import os
+import re
 
 import pytest
 import torch
@@ -95,3 +96,21 @@ def test_two_ranks_need_whole_groups_per_rank(tmp_path):
     proc = run(["train.py", "--preset", "smoke", "--batch-size", "4", "--output-dir", str(tmp_path)], nproc=2, check=False)
     assert proc.returncode != 0
     assert "must divide by world size x group size = 2 x 4" in proc.stderr
+
+
+def test_update_throughput_counts_every_pass_and_only_trainable_weight_gradients(tmp_path):
+    """throughput/update_tflops_per_device: tokens of all num_iterations passes over the update's time, at
+    4 x parameters + 2 x trainable parameters FLOPs per token (LoRA's frozen weights get no gradient)."""
+    rows = {}
+    for name, extra in (("one", []), ("two", ["--num-iterations", "2"]), ("lora", ["--lora-rank", "4"])):
+        proc = run(SMOKE + ["--output-dir", str(tmp_path / name), "--max-steps", "1", "--save-every", "0"] + extra)
+        n_params, n_trainable = (int(x.replace(",", "")) for x in
+                                 re.search(r"parameters: ([\d,]+), trainable: ([\d,]+)", proc.stdout).groups())
+        row = read_jsonl(os.path.join(tmp_path / name, "metrics.jsonl"))[0]
+        tokens = row["throughput/update_tokens_per_s"] * row["time/update"]
+        flops_per_token = row["throughput/update_tflops_per_device"] * 1e12 / row["throughput/update_tokens_per_s"]
+        rows[name] = tokens, flops_per_token, n_params, n_trainable
+    assert rows["two"][0] == pytest.approx(2 * rows["one"][0], rel=1e-6)  # the same sampled batch, two passes
+    tokens, flops, n_params, n_trainable = rows["lora"]
+    assert n_trainable < n_params and flops == pytest.approx(4 * n_params + 2 * n_trainable, rel=1e-6)
+    assert rows["one"][1] == pytest.approx(6 * rows["one"][2], rel=1e-6)
