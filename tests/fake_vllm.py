@@ -36,6 +36,14 @@ Behaviours:
   ".bias", which it ignores (model_executor/models/utils.py:457-458), raises ValueError when a tied lm_head
   came without its embedding (model_executor/models/utils.py:491-502), and returns the set of its own
   parameter names that received a tensor (model_executor/models/utils.py:476-478);
+- the in-place reload (collective_rpc("reload_weights", kwargs={"weights_iterator": ...}), reaching
+  Worker.reload_weights, v1/worker/gpu_worker.py:636-638 -> model_loader/reload/inplace.py:32-96) runs the same
+  load_weights, but does not see the tie of a tied lm_head (model_loader/reload/__init__.py:8-11): a tensor sent
+  under lm_head.weight is written into the shared storage; it returns None (inplace.py:32-38), and a module
+  sent nothing keeps its old weights (model_loader/reload/layerwise.py:255-267);
+- sleep mode is a CUDA platform's (platforms/interface.py:231-236): current_platform says it is available;
+- the engine core's shutdown (v1/engine/core.py:834-850) ends in cleanup_dist_env_and_memory, which destroys
+  the default process group if one is initialised (distributed/parallel_state.py:2539-2546);
 - the model attribute chain llm_engine.model_executor exists only in-process, which external_launcher
   forces (config/parallel.py:1050-1052, v1/engine/llm_engine.py:136-138); by default the engine core runs in
   another process and llm_engine has no model_executor;
@@ -168,14 +176,18 @@ class FakeModel:
     def _rows(self, shard):
         return {"q": (0, self.q), "k": (self.q, self.q + self.kv), "v": (self.q + self.kv, self.q + 2 * self.kv)}[shard]
 
-    def load_weights(self, weights):
+    def load_weights(self, weights, reload=False):
         loaded, tied_alone = set(), False
         for name, tensor in weights:
             self.received.append((name, tuple(tensor.shape)))
             if "rotary_emb.inv_freq" in name:                                             # utils.py:236
                 continue
-            if name == "lm_head.weight" and self.config.tie_word_embeddings:             # utils.py:255-259, 480-489
-                tied_alone = True
+            if name == "lm_head.weight" and self.config.tie_word_embeddings:
+                if reload:  # reload/__init__.py:8-11: the tie is not seen; the shared storage gets the tensor
+                    self.engine.write("model.embed_tokens.weight", self.params["model.embed_tokens.weight"],
+                                      slice(None), tensor)
+                    continue
+                tied_alone = True                                                          # utils.py:255-259, 480-489
                 continue
             for packed, part, shard in STACKED:
                 if part in name:
@@ -210,7 +222,7 @@ class FakeModel:
 
 
 ENGINE_ARGS = ("max_model_len", "max_num_seqs", "enable_sleep_mode", "enable_prefix_caching",
-               "distributed_executor_backend", "logprobs_mode")  # EngineArgs fields passed through **kwargs
+               "distributed_executor_backend", "logprobs_mode", "enforce_eager", "kv_cache_memory_bytes")  # EngineArgs fields passed through **kwargs
 
 
 class LLM:
@@ -254,7 +266,9 @@ class LLM:
         model_obj = FakeModel(config, self)
         executor = types.SimpleNamespace(driver_worker=types.SimpleNamespace(model_runner=types.SimpleNamespace(model=model_obj)))
         # In-process (model_executor reachable) only under external_launcher (config/parallel.py:1050-1052).
-        self.llm_engine = types.SimpleNamespace(model_executor=executor) if external else types.SimpleNamespace()
+        core = types.SimpleNamespace(shutdown=self._shutdown)
+        self.llm_engine = types.SimpleNamespace(model_executor=executor, engine_core=core) if external else \
+            types.SimpleNamespace(engine_core=core)
         self.model = model_obj
         LLM.instances.append(self)
 
@@ -341,6 +355,14 @@ class LLM:
 
     def collective_rpc(self, method, timeout=None, args=(), kwargs=None):
         self.calls.append(("collective_rpc", method))
+        if method == "reload_weights" and (kwargs or {}).get("weights_iterator") is not None:
+            self.model.load_weights(kwargs["weights_iterator"], reload=True)               # reload/inplace.py:92-96
+        return [None]
+
+    def _shutdown(self):
+        self.calls.append(("shutdown",))
+        if torch.distributed.is_initialized():                                             # parallel_state.py:2545-2546
+            torch.distributed.destroy_process_group()
 
 
 def install(monkeypatch):
@@ -358,5 +380,9 @@ def install(monkeypatch):
     monkeypatch.setitem(sys.modules, "vllm", vllm)
     monkeypatch.setitem(sys.modules, "vllm.inputs", inputs)
     monkeypatch.setitem(sys.modules, "vllm.exceptions", exceptions)
+    platforms = types.ModuleType("vllm.platforms")
+    platforms.current_platform = types.SimpleNamespace(is_sleep_mode_available=lambda: True, is_cpu=lambda: False)
+    vllm.platforms = platforms
+    monkeypatch.setitem(sys.modules, "vllm.platforms", platforms)
     LLM.instances.clear()
     return vllm

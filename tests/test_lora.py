@@ -161,7 +161,7 @@ def test_fake_vllm_engine_receives_merged_weights_under_base_names(tiny, process
     sampler.load_weights(model.hf_state())
     engine = fake_vllm.LLM.instances[-1]
     hf = models.load_model(path).state_dict()
-    assert dict(engine.model.received) == {k: tuple(v.shape) for k, v in hf.items() if k != "lm_head.weight"}
+    assert dict(engine.model.received) == {k: tuple(v.shape) for k, v in hf.items()}  # the tied head under its name too
     merged = dict(model.hf_state())
     layer = "model.layers.1."
     q, v = merged[layer + "self_attn.q_proj.weight"], merged[layer + "self_attn.v_proj.weight"]
