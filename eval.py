@@ -335,6 +335,15 @@ def main(argv=None, sampler=None, tokenizer=None, source=None):
     if sampler is None:
         source = model_path(args.model, out_dir)
         sampler, tokenizer = new_sampler(source, args)
+        try:
+            return report(args, sampler, tokenizer, source, kind, examples, names, out_dir)
+        finally:
+            sampler.close()  # a vLLM engine shuts down now, not in a finaliser at exit
+    return report(args, sampler, tokenizer, source, kind, examples, names, out_dir)
+
+
+def report(args, sampler, tokenizer, source, kind, examples, names, out_dir):
+    """Evaluate --model with `sampler`, then --baseline streamed into it; print and write the summary."""
     result = evaluate(sampler, tokenizer, args.model, args, examples, names, os.path.join(out_dir, "completions.jsonl"))
     if args.baseline:
         baseline = model_path(args.baseline, out_dir, "_baseline")

@@ -123,7 +123,9 @@ class _KeepProcessState:
 
 def kv_cache_bytes(model_path, max_model_len, dtype):
     """Bytes of KV cache one sequence of max_model_len tokens needs: 2 (K, V) x layers x KV heads x head dim."""
-    config = models.load_config(model_path)
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(model_path)
     heads = config.num_attention_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
@@ -135,6 +137,7 @@ class VLLMSampler:
 
     def __init__(self, model_path, tokenizer, stop_ids, seed=0, dtype=None, gpu_memory_utilization=0.3,
                  max_model_len=2048, max_num_seqs=256, kv_cache_gib=0.0):
+        os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")  # not INFO and WARNING lines at every weight sync
         import vllm
         from vllm.platforms import current_platform
 
