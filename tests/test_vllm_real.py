@@ -213,3 +213,51 @@ def test_eval_with_the_real_engine_and_a_baseline_streamed_into_it(path, tmp_pat
     with open(tmp_path / "eval" / "summary.json") as f:
         summary = json.load(f)
     assert {"model", "baseline", "difference"} <= set(summary)
+
+
+# The fake engine beside the real one (tests/fake_vllm.py keeps each behaviour with its cite) -------------
+
+@pytest.fixture(scope="module")
+def both(path, engine):
+    """(module, LLM) for the fake engine and the real one, to send the same calls to."""
+    import fake_vllm
+
+    fake = fake_vllm.LLM(path, tokenizer=path, dtype="float32", seed=7, max_model_len=96,
+                         distributed_executor_backend="external_launcher", logprobs_mode="processed_logprobs")
+    return {"fake": (fake_vllm, fake), "real": (vllm, engine[0].llm)}
+
+
+@pytest.mark.parametrize("which", ["fake", "real"])
+def test_the_fake_and_the_real_engine_follow_the_same_rules(both, which):
+    from vllm.inputs import TokensPrompt
+
+    module, llm = both[which]
+    prompt = [TokensPrompt(prompt_token_ids=[5, 6, 7, 8])]
+
+    def sample(**kw):
+        params = module.SamplingParams(**{"temperature": 1.0, "max_tokens": 12, "logprobs": 0, **kw})
+        return llm.generate(prompt, [params], use_tqdm=False)[0].outputs
+
+    # sample j of a request draws from the stream seed + j (v1/engine/parallel_sampling.py:81)
+    together = [o.token_ids for o in sample(n=3, seed=40)]
+    assert [list(t) for t in together] == [list(sample(n=1, seed=40 + j)[0].token_ids) for j in range(3)]
+    # logprobs=0: one {token: Logprob} per generated token, holding the sampled token
+    out = sample(n=2, seed=1)[0]
+    assert len(out.logprobs) == len(out.token_ids) and all(t in step for t, step in zip(out.token_ids, out.logprobs))
+    # stop ids stop a completion even with ignore_eos (v1/core/sched/utils.py:109-112)
+    outs = sample(n=8, seed=2, max_tokens=40, stop_token_ids=STOPS, ignore_eos=True)
+    assert any(len(o.token_ids) < 40 for o in outs)
+    assert all(o.token_ids[-1] in STOPS and o.finish_reason == "stop" for o in outs if len(o.token_ids) < 40)
+    # temperature: below 0.01 raised to 0.01, above 2 refused with VLLMValidationError (sampling_params.py:560-673)
+    assert module.SamplingParams(temperature=0.005).temperature == 0.01
+    with pytest.raises(Exception) as refused:
+        module.SamplingParams(temperature=2.5)
+    assert type(refused.value).__name__ == "VLLMValidationError" and not isinstance(refused.value, ValueError)
+    # a prompt of max_model_len tokens is refused; a long one is cut at max_model_len with "length"
+    with pytest.raises(Exception) as refused:
+        llm.generate([TokensPrompt(prompt_token_ids=list(range(10, 106)))], [module.SamplingParams(max_tokens=4)],
+                     use_tqdm=False)
+    assert type(refused.value).__name__ == "VLLMValidationError"
+    (cut,) = llm.generate([TokensPrompt(prompt_token_ids=list(range(10, 90)))],
+                          [module.SamplingParams(max_tokens=40, ignore_eos=True, seed=3)], use_tqdm=False)[0].outputs
+    assert len(cut.token_ids) == 16 and cut.finish_reason == "length"
