@@ -20,7 +20,7 @@ mode). With LoRA (--lora-rank R) only adapters train; step 5's reference is the 
 adapters off, and step 7 pushes the merged weights (minigdpo/lora.py).
 
 Launch:
-  python train.py --preset cpu-demo                          # offline CPU demo, about 12 min on 2 cores
+  python train.py --preset cpu-demo                          # offline CPU demo, about 7 min on 2 cores
   python train.py --preset a100 --estimator gdpo             # one 80 GB A100 (a100-lora: Qwen2.5-7B with LoRA)
   torchrun --nproc_per_node 8 train.py --estimator gdpo      # the paper's recipe on 8 GPUs
   torchrun --nnodes 2 --nproc_per_node 8 --rdzv_endpoint HOST:29500 train.py --estimator gdpo --output-dir /shared/run

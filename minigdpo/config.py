@@ -80,7 +80,7 @@ class Config:
     """Upper clip of the ratio: 1 + clip_high (DAPO's clip-higher uses 0.28)."""
     loss_agg: str = "micro_batch_token_mean"
     """Loss aggregation (TRL's loss_type names work too): micro_batch_token_mean (bnpo, the paper's released
-    default), token_mean (dapo), seq_mean_token_mean (grpo) or seq_mean_token_sum_norm (dr_grpo). See minigdpo/loss.py."""
+    default), token_mean (dapo), seq_mean_token_mean (grpo) or seq_mean_token_sum_norm (dr_grpo). See minigdpo/update.py (policy_loss)."""
     epochs: float = 1.0
     """Passes over the prompt set, used when max_steps is 0."""
     max_steps: int = 0
@@ -187,7 +187,7 @@ PRESETS = {
     # LoRA usually wants a learning rate about 10x full fine-tuning's; 5e-5 is a starting point, not tuned here.
     "a100-lora": dict(model="Qwen/Qwen2.5-7B-Instruct", group_size=8, batch_size=256, micro_batch_size=8,
                       grad_checkpointing=True, lora_rank=32, lora_alpha=64.0, lr=5e-5, vllm_gpu_memory_utilization=0.55),
-    # Offline, 2 CPU cores, about 11 minutes: SmolLM2-135M-Instruct learns simple arithmetic, then is
+    # Offline, 2 CPU cores, about 7 minutes: SmolLM2-135M-Instruct learns simple arithmetic, then is
     # compared with its base model on 64 held-out problems (what fits in about 2 minutes on 2 cores).
     "cpu-demo": dict(model="HuggingFaceTB/SmolLM2-135M-Instruct", task="arith", group_size=8, batch_size=32,
                      micro_batch_size=16, lr=2e-5, warmup_ratio=0.0, lr_schedule="constant", beta=0.04,

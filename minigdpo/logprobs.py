@@ -217,7 +217,7 @@ class LogProbModel(nn.Module):
         super().__init__()
         self.lm = lm
         self.shares_prefix = shares_prefix(lm)
-        self.merged_adapters = None  # set by lora.attach: yields the merged weights of a LoRA model
+        self.merged_adapters = None  # set by policy.build for a LoRA model: yields its merged weights
         if self.shares_prefix:
             for layer in decoder_layers(lm):
                 layer.layer_pair = layer_pair.__get__(layer)
