@@ -12,7 +12,10 @@ setup(
     packages=["minigdpo", "rewards"],
     package_data={"rewards": ["code_problems.jsonl"]},  # the code task's built-in problems
     install_requires=[
-        "torch>=2.6",  # FSDP2's public fully_shard
+        # 2.9: init_device_mesh(backend_override=), HSDP's mesh groups with the world's timeout (minigdpo/dist.py);
+        # torch.mm(out_dtype=) on CUDA came in 2.8 (read from each release's device_mesh.py and
+        # native_functions.yaml). CI runs 2.13 (CPU); the suite ran on 2.11 on an H100; vllm==0.33.0 brings 2.14.
+        "torch>=2.9",
         # vLLM 0.33.0 declares transformers>=5.16.1,<5.21 (recorded in minigdpo/vllm_sampler.py). Declaring the
         # same range here makes `.[test]` (CI) and `.[vllm]` resolve to the same transformers release, so the
         # stack the tests run on is the stack the GPU node runs on.

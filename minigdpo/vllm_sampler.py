@@ -23,8 +23,8 @@ The weight sync is vLLM's in-place reload (vllm/model_executor/model_loader/relo
 through Worker.reload_weights, v1/worker/gpu_worker.py:636 in 0.33.0, :629 in 0.32.0; the same module in
 both wheels). It takes Hugging Face names, rebuilds each vLLM module once all of its tensors arrived and
 reruns that module's post-load processing, so it is right on both engines:
-- on CPU, vLLM replaces each linear weight by a packed copy after loading (layers/utils.py:582-594 in
-  0.32.0), so the model's own load_weights fails there ("'Parameter' object has no attribute
+- on CPU, vLLM replaces each linear weight by a packed copy after loading
+  (model_executor/layers/utils.py:582-594 in 0.32.0), so the model's own load_weights fails there ("'Parameter' object has no attribute
   'weight_loader'"), and only a reload repacks it;
 - on CUDA its extra cost over load_weights is one module's tensors at a time (reload/layerwise.py:344-401),
   at most the embedding (0.47 GB at Qwen2.5-1.5B), and one device copy of the weights.

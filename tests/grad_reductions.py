@@ -6,8 +6,10 @@ One update of 4 micro-batches on tiny-random. SHARDING fsdp shards over both ran
 2 nodes of 1 (LOCAL_WORLD_SIZE=1: a replica each, so the only reduction is the all-reduce across
 nodes). Counted by wrapping the torch.distributed functions FSDP2 calls for them (torch 2.13,
 fsdp/_fully_shard/_fsdp_collectives.py foreach_reduce: reduce_scatter_single, all_reduce). Rank 0
-writes, per mode: the reduce-scatters and all-reduces per FSDP2 module, and the updated parameters'
-largest difference from the micro_batch mode's.
+writes, per mode: the reduce-scatters and all-reduces per FSDP2 module, the most gradient bytes rank 0
+held between micro-batches (FSDP2's accumulated unsharded gradients, its sharded ones and HSDP's partial
+sums: torch 2.13, fsdp/_fully_shard/_fsdp_param.py, unsharded_accumulated_grad), and the updated parameters' largest
+difference from the micro_batch mode's.
 """
 
 import json
@@ -49,6 +51,21 @@ class Reductions:
         tdist.reduce_scatter_single, tdist.all_reduce = self.orig
 
 
+def grad_bytes(model):
+    """Bytes of gradient this rank holds: FSDP2's accumulated whole gradients, its sharded .grad, and the
+    reduce-scattered sums HSDP keeps until its all-reduce (_fsdp_param_group.py, _partial_reduce_output)."""
+    total = 0
+    for m in model.modules():
+        group = m._get_fsdp_state()._fsdp_param_group if isinstance(m, FSDPModule) else None
+        partial = getattr(group, "_partial_reduce_output", None)
+        total += partial.numel() * partial.element_size() if partial is not None else 0
+        for p in group.fsdp_params if group else []:
+            held = [p.unsharded_accumulated_grad, getattr(getattr(p, "_unsharded_param", None), "grad", None),
+                    p.sharded_param.grad.to_local() if p.sharded_param.grad is not None else None]
+            total += sum(t.numel() * t.element_size() for t in held if t is not None)
+    return total
+
+
 def main(out, sharding):
     path = models.resolve_model("tiny-random")  # before the group: transformers saves on rank 0 only with one
     if sharding == "hsdp":
@@ -67,11 +84,21 @@ def main(out, sharding):
         cfg = Config(beta=0.0, max_new_tokens=5, reduce_grads=mode, logprob_chunk=64)
         batches = micro_batches(prompts, comps, adv, 2, 257, device, 4)  # 4 micro-batches
         modules = sum(isinstance(m, FSDPModule) for m in model.modules())  # the decoder layers and the root
+        peak, reduce = [0], dist.reduce_gradients
+
+        def sampled(*args, **kwargs):  # before each micro-batch: what the previous backwards left
+            peak[0] = max(peak[0], grad_bytes(model))
+            return reduce(*args, **kwargs)
+
+        dist.reduce_gradients = sampled
         with Reductions() as counted:
             update(model, opt, sched, batches, cfg, 40.0, 8)
-        result[mode] = {k: v / modules for k, v in counted.counts.items()} | {"micro_batches": len(batches)}
+        dist.reduce_gradients = reduce
+        result[mode] = {k: v / modules for k, v in counted.counts.items()} | {"micro_batches": len(batches),
+                                                                              "peak_grad_bytes": peak[0]}
         params[mode] = {n: t.clone() for n, t in model.hf_state()}
     result["param_diff"] = max((params["step"][n] - params["micro_batch"][n]).abs().max().item() for n in params["step"])
+    result["param_bytes_fp32"] = 4 * sum(p.numel() for p in model.parameters())
     if dist.is_main():
         with open(out, "w") as f:
             json.dump(result, f)

@@ -166,9 +166,9 @@ def test_two_nodes_given_different_output_dirs_stop_before_any_weights_load(tmp_
 
 @pytest.mark.parametrize("sharding", ["fsdp", "hsdp"])
 def test_gradients_cross_ranks_once_per_optimizer_step(tmp_path, sharding):
-    """4 micro-batches, one reduction: --reduce-grads step (the default) reduce-scatters each FSDP2 module's
-    gradients once, and HSDP all-reduces them across nodes once, in either mode; micro_batch reduce-scatters
-    after every micro-batch. Both give the same update."""
+    """4 micro-batches: --reduce-grads micro_batch (the default) reduce-scatters after every micro-batch and holds
+    a rank's shard of the gradients; step reduce-scatters each FSDP2 module's gradients once and holds them whole
+    until then; HSDP all-reduces across nodes once in either mode. Both give the same update."""
     import json
 
     out = tmp_path / "counts.json"
@@ -177,8 +177,10 @@ def test_gradients_cross_ranks_once_per_optimizer_step(tmp_path, sharding):
     counts = json.loads(out.read_text())
     assert counts["step"]["micro_batches"] == 4
     if sharding == "fsdp":
-        assert counts["step"] == {"reduce_scatter": 1, "all_reduce": 0, "micro_batches": 4}
+        assert {k: counts["step"][k] for k in ("reduce_scatter", "all_reduce")} == {"reduce_scatter": 1, "all_reduce": 0}
         assert counts["micro_batch"]["reduce_scatter"] == 4
+        whole = counts["param_bytes_fp32"]  # rank 0: the whole fp32 gradient in step mode, half of it sharded
+        assert counts["step"]["peak_grad_bytes"] >= whole and counts["micro_batch"]["peak_grad_bytes"] < 0.6 * whole
     else:  # 2 nodes of 1 rank: nothing to scatter within a node
         assert counts["step"]["all_reduce"] == counts["micro_batch"]["all_reduce"] == 1
     assert counts["param_diff"] < 1e-5

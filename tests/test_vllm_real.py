@@ -17,7 +17,7 @@ import os
 import pytest
 import torch
 
-from conftest import read_jsonl, run
+from conftest import read_jsonl, refused, run
 
 vllm = pytest.importorskip("vllm")
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
@@ -193,6 +193,12 @@ def test_two_ranks_one_engine_each_train_exit_cleanly_and_resume(path, tmp_path)
     again = check_run(proc, out, 3)
     keys = [k for k in first[2] if k.startswith("reward/")]
     assert {k: again[2][k] for k in keys} == {k: first[2][k] for k in keys}  # step 3 sampled the same
+
+
+@pytest.mark.slow
+def test_a_kv_cache_too_small_for_one_sequence_is_refused_in_one_line(path, tmp_path):
+    proc = run(train_args(path, str(tmp_path / "run"), "--vllm-kv-cache-gib", "0.00001"), check=False)
+    assert "--vllm-kv-cache-gib 1e-05 holds less than one sequence of 72 tokens" in refused(proc)
 
 
 @pytest.mark.slow
