@@ -159,6 +159,37 @@ def test_stop_tokens_ignore_eos_and_max_model_len(engine):
     assert all(len(c.logprobs) == len(c.token_ids) for c in group)
 
 
+def test_building_the_engine_leaves_torch_set_num_threads_working(engine):
+    """The CPU worker turns torch.set_num_threads into a no-op for the whole process (cpu_worker.py:139-145)."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    assert torch.get_num_threads() == 1
+    torch.set_num_threads(n)
+
+
+def test_generation_config_eos_ids_stop_unless_ignore_eos(path, engine, tmp_path):
+    """vLLM adds the EOS ids of generation_config.json, other than the tokenizer's, to every request's stop
+    ids, unless ignore_eos (sampling_params.py:775-803); models.stop_token_ids gives them to the sampler too."""
+    import shutil
+
+    from transformers import GenerationConfig
+    from vllm.inputs import TokensPrompt
+
+    other = str(tmp_path / "model")
+    shutil.copytree(path, other)
+    tok = models.load_tokenizer(path)
+    GenerationConfig(eos_token_id=[tok.eos_token_id] + STOPS).save_pretrained(other)
+    # a second engine in this process (the CPU build has no CuMem allocator); not shut down here: its shutdown
+    # would destroy the session's process group
+    llm = vllm.LLM(model=other, dtype="float32", seed=1, max_model_len=96, enforce_eager=True,
+                   kv_cache_memory_bytes=2**26, distributed_executor_backend="external_launcher")
+    for ignore in (False, True):
+        params = vllm.SamplingParams(n=8, max_tokens=40, seed=2, ignore_eos=ignore)
+        outs = llm.generate([TokensPrompt(prompt_token_ids=[5, 6, 7, 8])], [params], use_tqdm=False)[0].outputs
+        ended = [o for o in outs if len(o.token_ids) < 40]
+        assert bool(ended) is not ignore and all(o.token_ids[-1] in STOPS for o in ended)
+
+
 # train.py, eval.py and torchrun, each a process of its own -------------------------------------------
 
 def train_args(path, out, *extra):
