@@ -86,7 +86,7 @@ def test_export_keeps_the_source_checkpoints_dtype(process_group, tmp_path):
     assert loaded.dtype == torch.bfloat16
     live = dict(model.hf_state())
     for name, t in loaded.state_dict().items():
-        torch.testing.assert_close(t, live[model.tied_names().get(name, name)].bfloat16(), rtol=0, atol=0)
+        torch.testing.assert_close(t, live[model.tied_names().get(name, name)].bfloat16().cpu(), rtol=0, atol=0)
 
 
 def test_hf_sampler_syncs_the_host_once_per_16_tokens_with_identical_output():
@@ -147,7 +147,7 @@ def test_build_reads_only_shards_into_a_meta_model_with_the_same_weights(process
         live = dict(model.hf_state())
         for name, t in whole.lm.state_dict().items():
             if name not in model.tied_names():
-                torch.testing.assert_close(live[name], t.to(dtype), rtol=0, atol=0)
+                torch.testing.assert_close(live[name].cpu(), t.to(dtype).cpu(), rtol=0, atol=0)
         for name, b in whole.lm.named_buffers():  # rotary tables are computed, not read
             torch.testing.assert_close(model.lm.get_buffer(name), b, rtol=0, atol=0)
         if dtype == torch.float32:

@@ -133,7 +133,7 @@ def test_merged_weights_reproduce_the_adapted_model(tiny, process_group):
     with torch.no_grad():
         want = model_logprobs(model, mb)
         got = logprobs.LogProbModel(plain)(mb["prompt_ids"], mb["prompt_mask"], mb["repeats"], mb["completion_ids"], mb["mask"])
-    torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
+    torch.testing.assert_close(got.cpu(), want.cpu(), rtol=0, atol=1e-5)
     # The HF sampler's log-probs of what it samples with the merged weights equal the trainer's on the same tokens.
     sampler = HFSampler(models.load_model(path), [256], tok.pad_token_id, process_group, tok)
     sampler.load_weights(model.hf_state())
@@ -162,7 +162,7 @@ def test_fake_vllm_engine_receives_merged_weights_under_base_names(tiny, process
     engine = fake_vllm.LLM.instances[-1]
     hf = models.load_model(path).state_dict()
     assert dict(engine.model.received) == {k: tuple(v.shape) for k, v in hf.items()}  # the tied head under its name too
-    merged = dict(model.hf_state())
+    merged = {k: t.cpu() for k, t in model.hf_state()}  # the fake engine keeps host tensors
     layer = "model.layers.1."
     q, v = merged[layer + "self_attn.q_proj.weight"], merged[layer + "self_attn.v_proj.weight"]
     torch.testing.assert_close(engine.model.params[layer + "self_attn.qkv_proj.weight"],
@@ -190,7 +190,7 @@ def test_adapter_checkpoint_loads_with_peft_and_the_merged_export_with_transform
         for lm in (PeftModel.from_pretrained(models.load_model(path), adapter).get_base_model(),  # adapters in place
                    AutoModelForCausalLM.from_pretrained(os.path.join(where, "hf"))):
             got = logprobs.LogProbModel(lm)(mb["prompt_ids"], mb["prompt_mask"], mb["repeats"], mb["completion_ids"], mb["mask"])
-            torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
+            torch.testing.assert_close(got.cpu(), want.cpu(), rtol=0, atol=1e-5)
     # Without the export, hf/ is absent and eval.py merges base + adapter itself.
     where = checkpoint.save(str(tmp_path), 2, model, opt, sched, tok, {"cursor": 0}, torch.float32, keep=2, export_hf=False)
     assert sorted(os.listdir(where)) == ["COMPLETE", "adapter", "rng", "state", "trainer.json"]

@@ -207,12 +207,12 @@ def test_checkpoint_loads_with_from_pretrained_and_sync_streams_every_weight(tin
     live = dict(model.hf_state())
     assert "lm_head.weight" not in live and model.tied_names() == {"lm_head.weight": "model.embed_tokens.weight"}
     for name, t in loaded.state_dict().items():
-        torch.testing.assert_close(t, live[model.tied_names().get(name, name)], rtol=0, atol=0)
+        torch.testing.assert_close(t, live[model.tied_names().get(name, name)].cpu(), rtol=0, atol=0)
     # the sampler's copy follows the trained weights through load_weights
     sampler = HFSampler(models.load_model(path), [256], 257, device)
     sampler.load_weights(model.hf_state())
     for name, t in sampler.model.state_dict().items():
-        torch.testing.assert_close(t, live[model.tied_names().get(name, name)], rtol=0, atol=0)
+        torch.testing.assert_close(t, live[model.tied_names().get(name, name)].cpu(), rtol=0, atol=0)
     from minigdpo.sampler import WeightSyncError
 
     with pytest.raises(WeightSyncError, match="sent 'nope', which the sampler's model does not have"):
@@ -406,7 +406,7 @@ def test_the_shared_prefix_pass_composes_with_gradient_checkpointing(tiny, proce
     plain = models.load_model(tiny[0])
     plain.train()
     want = naive_logprobs(plain, mb, 0.7)
-    torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
+    torch.testing.assert_close(got.cpu(), want.cpu(), atol=1e-5, rtol=0)
     (got * torch.arange(got.shape[1])).sum().backward()
     (want * torch.arange(want.shape[1])).sum().backward()
     assert forward_calls == 2 and len(calls) == 4  # 2 layers, each run again in the backward

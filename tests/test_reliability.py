@@ -194,7 +194,7 @@ def test_a_nan_gradient_skips_the_step_and_keeps_the_weights(process_group):
     opt = optimizer(model, 1e-2, 0.0)
     sched = scheduler(opt, 4, 0.0, "constant")
     (mb,) = batch_of([Completion([5, 6], [-1.0, -1.0])] * 2)
-    mb["adv"] = torch.tensor([float("nan"), 1.0])
+    mb["adv"] = torch.tensor([float("nan"), 1.0], device=process_group)
     before = {k: v.clone() for k, v in model.hf_state()}
     cfg = config.Config(num_iterations=1, temperature=1.0, logprob_chunk=64, tis_cap=0.0, clip_low=0.2, clip_high=0.2,
                         beta=0.0, loss_agg="token_mean", max_new_tokens=4, max_grad_norm=1.0, grad_checkpointing=False)

@@ -195,7 +195,7 @@ def test_the_engine_serves_the_synced_weights_not_a_stale_copy(vllm, process_gro
         opt.step()
         sampler.load_weights(model.hf_state())
         sampler.wake()
-        live = dict(model.hf_state())
+        live = {k: t.cpu() for k, t in model.hf_state()}  # the fake engine keeps host tensors
         torch.testing.assert_close(engine.model.params["model.embed_tokens.weight"], live["model.embed_tokens.weight"])
         torch.testing.assert_close(engine.model.params["model.norm.weight"], live["model.norm.weight"])
 
