@@ -99,18 +99,6 @@ class Config:
     """Nucleus sampling threshold."""
     ignore_eos: bool = False
     """Keep sampling past stop tokens up to max_new_tokens (benchmarks compare fixed-length completions)."""
-    sampler: str = "auto"
-    """Rollout backend: hf, vllm, or auto (vllm when it is importable and CUDA is present)."""
-    vllm_gpu_memory_utilization: float = 0.3
-    """Fraction of GPU memory vLLM may take for weights and KV cache (colocated with training)."""
-    vllm_kv_cache_gib: float = 0.0
-    """vLLM's KV cache per rank in GiB, in place of --vllm-gpu-memory-utilization's share. 0: that share on a
-    GPU, 1 GiB on the CPU (vLLM's CPU build would take a share of the whole RAM)."""
-    tis_cap: float = 0.0
-    """Truncated importance sampling cap for the sampler/trainer mismatch; 0 disables it."""
-    logp_gap_warn: float = 0.0
-    """Warn when the mean |sampler log-prob - trainer log-prob| exceeds this (a stale weight sync shows here).
-    0: by dtype, 1e-3 in fp32 (rounding gives about 1e-6) and 0.05 in bf16 (about 0.013 seen on an H100)."""
 
     # Task parameters
     length_limit: int = 4000
@@ -125,24 +113,6 @@ class Config:
     """Seconds one reward call may take before it counts as None."""
     skip_bad_rows: bool = False
     """Skip malformed data rows (and report how many) instead of stopping at the first."""
-
-    # Hardware and memory
-    dtype: str = "auto"
-    """Compute dtype: auto (bf16 on GPU, fp32 on CPU), bf16 or fp32. Master weights stay fp32."""
-    grad_checkpointing: bool = False
-    """Recompute activations in the backward pass to save memory."""
-    ref_offload: bool = False
-    """Keep the frozen reference model's shards in CPU memory."""
-    sharding: str = "auto"
-    """FSDP2 layout: fsdp shards over all ranks; hsdp shards within a node and replicates across nodes, so
-    per-layer all-gathers never cross the network; auto is hsdp when the run spans more than one node."""
-    logprob_chunk: int = 1024
-    """Tokens per chunk of the log-softmax, so [B, T, V] float32 logits never exist at once."""
-    reduce_grads: str = "micro_batch"
-    """When FSDP2 reduces gradients over ranks. micro_batch: a reduce-scatter within the shard group after each
-    micro-batch, so each rank keeps only its shard of the fp32 gradients; with HSDP the all-reduce across nodes
-    still runs once a step. step: one reduce-scatter after the last micro-batch, fewer collectives, but until
-    then each rank holds the whole fp32 gradient (4 bytes per trainable parameter: 28 GB at 7B)."""
 
     # LoRA (needs peft: pip install 'minigdpo[lora]')
     lora_rank: int = 0
@@ -176,14 +146,44 @@ class Config:
     """After training, rank 0 evaluates the last checkpoint against the starting model on this many problems of the
     task's held-out split, greedy, and prints both with their differences (eval.py --baseline). 0 or --no-final-eval: off."""
 
+    # Systems: hardware, memory and the rollout backend (the defaults fit; change them for speed or memory)
+    dtype: str = "auto"
+    """Compute dtype: auto (bf16 on GPU, fp32 on CPU), bf16 or fp32. Master weights stay fp32."""
+    grad_checkpointing: bool = False
+    """Recompute activations in the backward pass to save memory."""
+    ref_offload: bool = False
+    """Keep the frozen reference model's shards in CPU memory."""
+    sharding: str = "auto"
+    """FSDP2 layout: fsdp shards over all ranks; hsdp shards within a node and replicates across nodes, so
+    per-layer all-gathers never cross the network; auto is hsdp when the run spans more than one node."""
+    logprob_chunk: int = 1024
+    """Tokens per chunk of the log-softmax, so [B, T, V] float32 logits never exist at once."""
+    reduce_grads: str = "micro_batch"
+    """When FSDP2 reduces gradients over ranks. micro_batch: a reduce-scatter within the shard group after each
+    micro-batch, so each rank keeps only its shard of the fp32 gradients; with HSDP the all-reduce across nodes
+    still runs once a step. step: one reduce-scatter after the last micro-batch, fewer collectives, but until
+    then each rank holds the whole fp32 gradient (4 bytes per trainable parameter: 28 GB at 7B)."""
+    sampler: str = "auto"
+    """Rollout backend: hf, vllm, or auto (vllm when it is importable and CUDA is present). On a CPU, vllm needs
+    vLLM's CPU build (README, Sampling with vLLM) and is used only when asked for."""
+    vllm_gpu_memory_utilization: float = 0.3
+    """Fraction of GPU memory vLLM may take for weights and KV cache (colocated with training)."""
+    vllm_kv_cache_gib: float = 0.0
+    """vLLM's KV cache per rank in GiB, in place of --vllm-gpu-memory-utilization's share. 0: that share on a
+    GPU, 1 GiB on the CPU (vLLM's CPU build would take a share of the whole RAM)."""
+    tis_cap: float = 0.0
+    """Truncated importance sampling cap for the sampler/trainer mismatch; 0 disables it."""
+    logp_gap_warn: float = 0.0
+    """Warn when the mean |sampler log-prob - trainer log-prob| exceeds this (a stale weight sync shows here).
+    0: by dtype, 1e-3 in fp32 (rounding gives about 1e-6) and 0.05 in bf16 (about 0.013 seen on an H100)."""
+
 
 PRESETS = {
     # The paper's released GSM8K recipe: 8 GPUs x 16 completions per device x 4 accumulation
     # steps = 512 completions (32 prompts x G=16) per optimizer step.
     "paper-gsm8k": dict(),
     # One 80 GB A100: G=8, 256 completions per step, micro-batches that fit with vLLM colocated.
-    "a100": dict(group_size=8, batch_size=256, micro_batch_size=8, grad_checkpointing=True, ref_offload=False,
-                 vllm_gpu_memory_utilization=0.35),
+    "a100": dict(group_size=8, batch_size=256, micro_batch_size=8, grad_checkpointing=True, vllm_gpu_memory_utilization=0.35),
     # Qwen2.5-7B-Instruct on one 80 GB A100: frozen bf16 base, rank-32 adapters, no reference copy (README, LoRA).
     # LoRA usually wants a learning rate about 10x full fine-tuning's; 5e-5 is a starting point, not tuned here.
     "a100-lora": dict(model="Qwen/Qwen2.5-7B-Instruct", group_size=8, batch_size=256, micro_batch_size=8,
@@ -191,9 +191,9 @@ PRESETS = {
     # Offline, 2 CPU cores, about 7 minutes: SmolLM2-135M-Instruct learns simple arithmetic, then is
     # compared with its base model on 64 held-out problems (what fits in about 2 minutes on 2 cores).
     "cpu-demo": dict(model="HuggingFaceTB/SmolLM2-135M-Instruct", task="arith", group_size=8, batch_size=32,
-                     micro_batch_size=16, lr=2e-5, warmup_ratio=0.0, lr_schedule="constant", beta=0.04,
-                     max_prompt_len=256, max_new_tokens=48, max_steps=12, temperature=0.7, arith_difficulty=1,
-                     save_every=0, samples_every=4, output_dir="runs/cpu-demo", sampler="hf", final_eval=64),
+                     lr=2e-5, warmup_ratio=0.0, lr_schedule="constant", max_prompt_len=256, max_new_tokens=48, max_steps=12,
+                     temperature=0.7, arith_difficulty=1, save_every=0, samples_every=4, output_dir="runs/cpu-demo",
+                     sampler="hf", final_eval=64),
     # A tiny random model for tests and smoke runs.
     "smoke": dict(model="tiny-random", task="arith", group_size=4, batch_size=8, micro_batch_size=4, lr=1e-3,
                   max_prompt_len=64, max_new_tokens=8, max_steps=2, save_every=1, samples_every=1,
@@ -242,23 +242,37 @@ class _OneLineErrors(argparse.ArgumentParser):
         raise ConfigError(message)
 
 
+def field_sections(cls=Config):
+    """Each field's section: the comment above its group of fields in the class source."""
+    sections, title = {}, ""
+    for line in inspect.getsource(cls).splitlines():
+        if line.startswith("    # "):
+            title = line.strip("# ").strip()
+        elif ":" in line and line.startswith("    ") and not line.startswith("     ") and line.strip()[0].isalpha():
+            sections[line.split(":")[0].strip()] = title
+    return sections
+
+
 def build_parser(description=""):
+    """The command line, one flag per field, in --help's groups: what a newcomer sets first, systems knobs last."""
     parser = _OneLineErrors(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
-    docs = field_docs()
+    docs, sections, groups = field_docs(), field_sections(), {}
     for f in fields(Config):
+        title = sections.get(f.name, "other")
+        group = groups.get(title) or groups.setdefault(title, parser.add_argument_group(title))
         flag = "--" + f.name.replace("_", "-")
         default = f.default if f.default is not MISSING else f.default_factory()
         help_text = f"{docs.get(f.name, '')} (default: {default!r})"
         if f.type is bool:
-            parser.add_argument(flag, type=_bool, nargs="?", const=True, default=None, metavar="BOOL", help=help_text)
+            group.add_argument(flag, type=_bool, nargs="?", const=True, default=None, metavar="BOOL", help=help_text)
         elif f.type is list:
             kind = float if f.name == "reward_weights" else str
             action = "extend" if f.name == "condition" else "store"
-            parser.add_argument(flag, type=_list_of(kind), action=action, default=None, metavar="A,B", help=help_text)
+            group.add_argument(flag, type=_list_of(kind), action=action, default=None, metavar="A,B", help=help_text)
         else:
-            parser.add_argument(flag, type=f.type, default=None, metavar=f.type.__name__.upper(), help=help_text)
+            group.add_argument(flag, type=f.type, default=None, metavar=f.type.__name__.upper(), help=help_text)
     # The one alias: switching the cpu-demo's final evaluation off reads better as a flag than as a count of 0.
-    parser.add_argument("--no-final-eval", dest="final_eval", action="store_const", const=0, help="the same as --final-eval 0")
+    groups["Output"].add_argument("--no-final-eval", dest="final_eval", action="store_const", const=0, help="the same as --final-eval 0")
     return parser
 
 

@@ -217,7 +217,7 @@ class LogProbModel(nn.Module):
         super().__init__()
         self.lm = lm
         self.shares_prefix = shares_prefix(lm)
-        self.merged_adapters = None  # set by policy.build for a LoRA model: yields its merged weights
+        self.lora = False  # policy.build sets it when peft's adapters are in lm: hf_state then merges them
         if self.shares_prefix:
             for layer in decoder_layers(lm):
                 layer.layer_pair = layer_pair.__get__(layer)
@@ -253,8 +253,10 @@ class LogProbModel(nn.Module):
         under the base model's names (lora.merged_state).
         """
         tied = self.tied_names()
-        if self.merged_adapters is not None:
-            yield from self.merged_adapters(dtype, tied, main_only)
+        if self.lora:
+            from minigdpo import lora  # minigdpo/lora.py imports only dist: no circle
+
+            yield from lora.merged_state(self.lm, dtype, tied, main_only)
             return
         for name, t in self.lm.state_dict(keep_vars=True).items():
             if name not in tied:  # cast first: fewer bytes to gather

@@ -64,7 +64,7 @@ def build(path, device, compute_dtype, grad_checkpointing=False, frozen=False, o
         lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model = LogProbModel(lm)
     if lora:
-        model.merged_adapters = lambda dtype, tied, main_only: lora_adapters.merged_state(lm, dtype, tied, main_only)
+        model.lora = True
     if frozen:
         model.requires_grad_(False)
         model.eval()

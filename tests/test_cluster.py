@@ -22,7 +22,6 @@ from benchmarks.cluster_sim import kill_tree, torchrun
 from conftest import ROOT, free_port, read_jsonl, run
 from minigdpo import checkpoint, dist
 
-pytestmark = pytest.mark.slow  # every test here launches torchrun
 
 SMOKE = ["--preset", "smoke", "--rewards", "tests.helpers:digit_frac,tests.helpers:vowel_frac,format"]
 
@@ -94,6 +93,7 @@ def test_only_dist_py_touches_torch_distributed():
     assert not offenders, offenders
 
 
+@pytest.mark.slow  # launches torchrun or train.py
 def test_every_collective_puts_its_tensors_on_the_training_device():
     (result,), _ = launch([(torchrun(1, 0, 2, free_port(), ["tests/nccl_rule.py"]), ROOT)], timeout=90)
     rc, out, err = result
@@ -111,6 +111,7 @@ STEPS4 = ["train.py"] + SMOKE + ["--max-steps", "4", "--save-every", "1", "--kee
     ("hf@2:enospc", "0"),     # rank 0's export fails while rank 1 is ready for the sharded state
     ("state@2:enospc", "1"),  # rank 1's part of the sharded state cannot be written
 ])
+@pytest.mark.slow  # launches torchrun or train.py
 def test_a_save_failing_on_one_rank_stops_every_rank_within_seconds(tmp_path, fault, rank):
     out = str(tmp_path / "run")
     (result,), seconds = launch([(torchrun(1, 0, 2, free_port(), STEPS4 + ["--output-dir", out]), ROOT)],
@@ -126,6 +127,7 @@ def test_a_save_failing_on_one_rank_stops_every_rank_within_seconds(tmp_path, fa
     assert [r["step"] for r in read_jsonl(os.path.join(out, "metrics.jsonl"))] == [1, 2]
 
 
+@pytest.mark.slow  # launches torchrun or train.py
 def test_a_save_failing_on_one_rank_can_continue_on_every_rank(tmp_path):
     out = str(tmp_path / "run")
     (result,), _ = launch([(torchrun(1, 0, 2, free_port(), STEPS4 + ["--output-dir", out, "--on-save-error",
@@ -137,6 +139,7 @@ def test_a_save_failing_on_one_rank_can_continue_on_every_rank(tmp_path):
 
 # Two nodes ----------------------------------------------------------------------------------------
 
+@pytest.mark.slow  # launches torchrun or train.py
 def test_two_nodes_without_a_shared_output_dir_stop_before_any_weights_load(tmp_path):
     cwds = [str(tmp_path / "node0"), str(tmp_path / "node1")]
     for c in cwds:
@@ -152,6 +155,7 @@ def test_two_nodes_without_a_shared_output_dir_stop_before_any_weights_load(tmp_
         assert not os.path.exists(os.path.join(c, "run", "metrics.jsonl"))
 
 
+@pytest.mark.slow  # launches torchrun or train.py
 def test_two_nodes_given_different_output_dirs_stop_before_any_weights_load(tmp_path):
     """Each rank checks its own --output-dir, not rank 0's path: two directories on one machine are
     two directories, even when both nodes can read rank 0's."""
@@ -167,6 +171,7 @@ def test_two_nodes_given_different_output_dirs_stop_before_any_weights_load(tmp_
         assert not os.path.exists(os.path.join(d, "checkpoints"))
 
 
+@pytest.mark.slow  # launches torchrun or train.py
 @pytest.mark.parametrize("sharding", ["fsdp", "hsdp"])
 def test_gradients_cross_ranks_once_per_optimizer_step(tmp_path, sharding):
     """4 micro-batches: --reduce-grads micro_batch (the default) reduce-scatters after every micro-batch and holds
@@ -189,6 +194,7 @@ def test_gradients_cross_ranks_once_per_optimizer_step(tmp_path, sharding):
     assert counts["param_diff"] < 1e-5
 
 
+@pytest.mark.slow  # launches torchrun or train.py
 def test_hsdp_mesh_groups_keep_the_world_timeout():
     """A mesh dimension's group gets the 30 minutes dist.init gives the world, not the backend's
     default (NCCL's is 10 minutes; tests/mesh_timeouts.py makes it so for gloo too)."""
@@ -197,6 +203,7 @@ def test_hsdp_mesh_groups_keep_the_world_timeout():
     assert results[0][1].split() == ["world=30", "replicate=30", "shard=30"], results[0][1]
 
 
+@pytest.mark.slow  # launches torchrun or train.py
 def test_a_checkpoint_missing_another_ranks_shards_is_never_marked_complete(tmp_path):
     """Rank 0 marks a checkpoint complete only once it sees every file DCP's metadata lists."""
     (result,), _ = launch([(torchrun(1, 0, 2, free_port(), ["tests/split_save.py", str(tmp_path)]), ROOT)], timeout=120)
@@ -209,6 +216,7 @@ def test_a_checkpoint_missing_another_ranks_shards_is_never_marked_complete(tmp_
     assert not os.path.exists(tmp_path / "rank0" / "checkpoints" / "step_000001")
 
 
+@pytest.mark.slow  # launches torchrun or train.py
 def test_two_nodes_sharing_an_output_dir_train_save_kill_and_resume(tmp_path):
     shared, clean = str(tmp_path / "shared"), str(tmp_path / "clean")
     args = [os.path.join(ROOT, "train.py")] + STEPS4[1:]
@@ -237,6 +245,7 @@ def test_mesh_shape_replicates_across_nodes_and_shards_within(sharding, world, l
     assert dist.mesh_shape(sharding, world, local) == shape
 
 
+@pytest.mark.slow  # launches torchrun or train.py
 def test_hsdp_over_two_nodes_gives_the_same_update_as_the_flat_mesh(tmp_path):
     outs = {}
     for sharding in ("hsdp", "fsdp"):
@@ -254,6 +263,7 @@ def test_hsdp_over_two_nodes_gives_the_same_update_as_the_flat_mesh(tmp_path):
 
 # bf16, clean exits, CPU offload --------------------------------------------------------------------
 
+@pytest.mark.slow  # launches torchrun or train.py
 def test_bf16_on_two_ranks_trains_saves_and_resumes(tmp_path):
     out = str(tmp_path / "run")
     common = ["train.py"] + SMOKE + ["--dtype", "bf16", "--save-every", "1", "--output-dir", out]
@@ -291,6 +301,7 @@ sys.stdout.write(f"group alive: {torch.distributed.is_initialized()}, worker thr
     (1, ["--save-every", "1"], "hf@1:enospc"),   # a failed save that stops the run
     (2, ["--save-every", "1"], "hf@1:enospc"),   # the same on 2 ranks (rank 0's save fails)
 ])
+@pytest.mark.slow  # launches torchrun or train.py
 def test_every_exit_destroys_the_process_group_and_its_threads(tmp_path, nproc, flags, fault):
     script = tmp_path / "check.py"
     script.write_text(CLEANUP_CHECK)
@@ -299,6 +310,7 @@ def test_every_exit_destroys_the_process_group_and_its_threads(tmp_path, nproc, 
     assert proc.stdout.count("group alive: False, worker threads: 0") == nproc, proc.stdout + proc.stderr[:3000]
 
 
+@pytest.mark.slow  # launches torchrun or train.py
 def test_ref_offload_works_without_an_accelerator(tmp_path):
     proc = run(["train.py"] + SMOKE + ["--ref-offload", "--output-dir", str(tmp_path / "run")], check=False)
     assert proc.returncode == 0, proc.stderr[-2000:]

@@ -307,3 +307,20 @@ def test_resume_on_a_node_with_fewer_gpus_restores_the_rng(process_group, tmp_pa
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)           # the resuming node
     checkpoint.load(where, model, opt, sched)
     assert len(restored) == 1 and torch.equal(restored[0], gpu_state)
+
+
+def test_each_preset_lists_only_what_it_changes():
+    """A preset that repeats a default hides which values it really sets."""
+    defaults = config.Config()
+    for name, values in config.PRESETS.items():
+        assert [k for k, v in values.items() if getattr(defaults, k) == v] == [], name
+
+
+def test_help_shows_what_to_train_first_and_the_systems_knobs_last():
+    text = config.build_parser().format_help()
+    heads = [line for line in text.splitlines() if line and not line.startswith(" ") and line.endswith(":")]
+    assert heads.index("What to train:") < heads.index("Batch shape:") < heads.index("Output:")
+    assert heads[-1].startswith("Systems")
+    systems = text[text.index(heads[-1]):]
+    for flag in ("--dtype", "--sharding", "--reduce-grads", "--sampler", "--vllm-kv-cache-gib", "--logp-gap-warn"):
+        assert flag in systems, flag
