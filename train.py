@@ -35,7 +35,6 @@ import os
 import sys
 import time
 from collections import deque
-from contextlib import contextmanager
 
 import torch
 from tqdm import tqdm
@@ -43,10 +42,10 @@ from tqdm import tqdm
 from minigdpo import checkpoint, config, dist, lora, models, policy
 from minigdpo.advantages import ESTIMATORS, Condition, apply_conditions, distinct_per_group, informative_groups
 from minigdpo.data import DataError
-from minigdpo.sampler import SamplingParams
+from minigdpo.rollout import sample_groups, timed
 from minigdpo.update import fill_logprobs, micro_batches, model_tokens, optimizer, scheduler, step_metrics, update
 from minigdpo.vllm_sampler import SamplerUnavailable, make_sampler, resolve_kind
-from rewards import PromptOrder, RewardScorer, encode_prompt, load_task
+from rewards import PromptOrder, RewardScorer, load_task
 
 
 def run_training(argv=None):
@@ -105,6 +104,10 @@ def run_training(argv=None):
             dist.print0(f"resumed from {last} at step {start}")
 
     order = PromptOrder(len(task.examples), cfg.seed)
+
+    def informative(rewards):  # (B,) the groups the estimator can learn from: its own question, conditions applied
+        return informative_groups(apply_conditions(rewards, names, conditions), weights.to(rewards.device), cfg.estimator)
+
     log = Logger(cfg.output_dir, derived.total_steps, start, run, cfg.wandb)
     G, rank = cfg.group_size, dist.rank()
 
@@ -112,15 +115,15 @@ def run_training(argv=None):
         seconds, t_step = {}, time.perf_counter()
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
-        # 1-3. Prompts, G completions each, their rewards: this rank's share of B groups (sample_groups).
-        groups, cursor, sampled = sample_groups(step, cursor, order, task, tokenizer, sampler, scorer, cfg, derived,
-                                                names, conditions, weights, seconds)
+        # 1-3. Prompts, G completions each, their rewards: this rank's share of B groups (minigdpo/rollout.py).
+        sampled, cursor = sample_groups(step, cursor, order, task, tokenizer, sampler, scorer, cfg, derived,
+                                        informative, seconds)
         sampler.sleep()  # once the step's last round is sampled: the trainer gets the accelerator's memory
-        K = sampled["groups_trained"]  # the same on every rank, a multiple of the world size
+        groups, K = sampled.groups, len(sampled.rewards)  # K: the same on every rank, a multiple of the world size
         completions = [c for g in groups for c in g["completions"]]            # S = K / world * G
 
         # 4. Advantages over the global batch (GDPO's batch step must see every rank's groups).
-        rewards, lengths = sampled["rewards"], sampled["lengths"]              # (K, G, R), (K, G)
+        rewards, lengths = sampled.rewards, sampled.lengths                    # (K, G, R), (K, G)
         shaped = apply_conditions(rewards, names, conditions)                  # (K, G, R) Eq. 8
         adv_all = ESTIMATORS[cfg.estimator](shaped, weights.to(rewards.device), lengths=lengths)  # (K, G)
         first, last = rank * K // dist.world_size(), (rank + 1) * K // dist.world_size()
@@ -151,7 +154,7 @@ def run_training(argv=None):
                 sampler.load_weights(model.hf_state(dtype))
 
         # 8. Log, and checkpoint when due. Rewards and lengths describe every completion sampled this step.
-        m = reward_metrics(sampled["all_rewards"], names, sampled["counts"]) | sampled["stats"]
+        m = reward_metrics(sampled.all_rewards, names, sampled.counts) | sampled.stats
         if totals is not None:
             # Tokens through the model in the update, every rank and all num_iterations passes.
             work = cfg.num_iterations * dist.all_reduce(torch.tensor([model_tokens(batches, model.shares_prefix)],
@@ -166,9 +169,9 @@ def run_training(argv=None):
             if m["sampler/logp_gap"] > gap_warn:
                 log.write(f"warning: step {step}: sampler/trainer log-prob gap {m['sampler/logp_gap']:.3g} > "
                           f"{gap_warn:g} (stale or broken weight sync?)", error=True)
-        lens = sampled["all_lengths"]
+        lens = sampled.all_lengths
         m |= {"completion/len_mean": lens.mean().item(), "completion/len_max": lens.max().item(), "lr": sched.get_last_lr()[0],
-              "completion/truncated_frac": sampled["truncated"].mean().item(),
+              "completion/truncated_frac": sampled.truncated.mean().item(),
               "throughput/gen_tokens_per_s": lens.sum().item() / max(seconds["generate"], 1e-9)}
         m |= {f"time/{k}": v for k, v in seconds.items()} | {"time/step": time.perf_counter() - t_step}
         if device.type == "cuda":  # the step's peak over every phase, this rank's (rank 0 logs)
@@ -200,75 +203,6 @@ def run_training(argv=None):
         evaluation.after_training(cfg, sampler, tokenizer)
     dist.barrier()  # every rank got here: main's cleanup may close the connections
     sampler.close()  # a vLLM engine shuts down while the process group it joined is still up
-
-
-def sample_groups(step, cursor, order, task, tokenizer, sampler, scorer, cfg, derived, names, conditions, weights,
-                  seconds):
-    """Steps 1-3: B prompts (each rank its contiguous slice, so groups never straddle ranks), G completions
-    each from a seed fixed by the step and the round (so a resumed run samples the same), and their (S, R)
-    rewards, NaN where a reward does not apply or failed.
-
-    With --dynamic-sampling a round keeps only the groups the estimator can tell apart (informative_groups,
-    on the conditioned rewards), and rounds of B fresh prompts follow until B are found or at most
-    --max-sample-rounds; the step then trains on what it found, rounded down to a multiple of the world
-    size (none: no update). The chosen groups, in the order they were sampled, are dealt out to the ranks
-    in equal shares, so every rank runs the same micro-batches and collectives. Returns this rank's
-    groups, the new cursor, and a dict of the chosen and of all sampled rewards, lengths and metrics.
-    """
-    B, G, R, rank, world = derived.prompts_per_step, cfg.group_size, len(names), dist.rank(), dist.world_size()
-    mine, params = derived.prompts_per_rank, SamplingParams(cfg.temperature, cfg.top_p, cfg.max_new_tokens,
-                                                            ignore_eos=cfg.ignore_eos)
-    found, informative, local, seen = [], 0, {}, {"rewards": [], "lengths": [], "truncated": [], "counts": []}
-    for rnd in range(cfg.max_sample_rounds if cfg.dynamic_sampling else 1):
-        examples = [task.examples[i] for i in order.take(cursor, B)[rank * mine:(rank + 1) * mine]]
-        cursor += B
-        prompts = [encode_prompt(tokenizer, ex["messages"], cfg.max_prompt_len) for ex in examples]
-        with timed(seconds, "generate"):
-            params.seed = cfg.seed * 1_000_003 + step * 1_009 + rank + rnd * 1_000_000_007
-            completions = [c for group in sampler.generate(prompts, G, params) for c in group]  # S = mine * G
-        with timed(seconds, "reward"):
-            scores, counts = scorer([c.text for c in completions], [ex for ex in examples for _ in range(G)],
-                                    [len(c.token_ids) for c in completions])          # (S, R)
-        rewards = dist.all_gather(scores).view(B, G, R).double()                        # (B, G, R) every rank's
-        lengths = dist.all_gather(torch.tensor([float(len(c.token_ids)) for c in completions])).view(B, G)  # (B, G)
-        truncated = dist.all_gather(torch.tensor([float(c.finish_reason == "length") for c in completions]))  # (B*G,)
-        for key, value in zip(seen, (rewards, lengths, truncated, counts)):
-            seen[key].append(value)
-        keep = informative_groups(apply_conditions(rewards, names, conditions), weights.to(rewards.device), cfg.estimator)
-        informative += int(keep.sum())                                                  # logged with or without the flag
-        keep = keep if cfg.dynamic_sampling else torch.ones(B, dtype=torch.bool)        # (B,)
-        for i in range(mine):
-            local[(rnd, rank * mine + i)] = {"prompt": prompts[i], "completions": completions[i * G:(i + 1) * G],
-                                             "rewards": scores[i * G:(i + 1) * G]}
-        found += [(rnd, g) for g in range(B) if keep[g]]
-        if len(found) >= B:
-            break
-    chosen = found[:B] if len(found) >= B else found[:len(found) // world * world]
-    if cfg.dynamic_sampling:  # each chosen group, from the rank that sampled it
-        local = {k: v for part in dist.all_gather_object({k: local[k] for k in chosen if k in local}) for k, v in part.items()}
-    K, rounds = len(chosen), len(seen["rewards"])
-    stats = {"sampling/rounds": rounds, "sampling/groups_sampled": rounds * B, "sampling/groups_informative": informative,
-             "sampling/groups_trained": K, "sampling/uninformative_frac": 1 - informative / (rounds * B),
-             "sampling/samples_per_trained": rounds * B / max(K, 1), "sampling/skipped_update": int(K == 0)}
-    by_round = [torch.stack([seen[key][r][g] for r, g in chosen]) if K else seen[key][0][:0] for key in ("rewards", "lengths")]
-    return [local[k] for k in chosen[rank * K // world:(rank + 1) * K // world]], cursor, {
-        "rewards": by_round[0], "lengths": by_round[1], "groups_trained": K, "stats": stats,
-        "all_rewards": torch.cat(seen["rewards"]).cpu(), "all_lengths": torch.cat(seen["lengths"]),
-        "truncated": torch.cat(seen["truncated"]), "counts": sum_counts(dist.all_gather_object(seen["counts"]))}
-
-
-def sum_counts(per_rank):
-    """The scorer's failure counts of every rank and round, as one list per rank for reward_metrics."""
-    return [{name: {kind: sum(c[name][kind] for c in rounds) for kind in RewardScorer.KINDS} for name in rounds[0]}
-            for rounds in per_rank]
-
-
-@contextmanager
-def timed(seconds, name):
-    """Add the seconds the block takes to seconds[name]."""
-    t0 = time.perf_counter()
-    yield
-    seconds[name] = seconds.get(name, 0.0) + time.perf_counter() - t0
 
 
 def rewards_setup(cfg, task):

@@ -172,6 +172,22 @@ def all_gather_object(obj):
     return out
 
 
+def exchange_objects(outgoing):
+    """Send outgoing[r] (a picklable object) to rank r; returns what every rank sent this one, in rank order.
+    Each object crosses the network once, where all_gather_object would deliver every object to every rank."""
+    if world_size() == 1:
+        return list(outgoing)
+    import pickle
+
+    data = [torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8) for obj in outgoing]
+    sizes = torch.tensor([len(d) for d in data], dtype=torch.int64, device=device())   # (world,) bytes to each
+    incoming = torch.empty_like(sizes)                                                   # (world,) bytes from each
+    tdist.all_to_all_single(incoming, sizes)
+    received = torch.empty(int(incoming.sum()), dtype=torch.uint8, device=device())
+    tdist.all_to_all_single(received, torch.cat(data).to(device()), incoming.tolist(), sizes.tolist())
+    return [pickle.loads(part.cpu().numpy().tobytes()) for part in received.split(incoming.tolist())]
+
+
 def broadcast_object(obj, src=0):
     if world_size() == 1:
         return obj

@@ -61,7 +61,7 @@ import numpy as np
 import torch
 
 from minigdpo import dist, models
-from minigdpo.sampler import Completion, HFSampler, WeightSyncError, check_sync, weight_names
+from minigdpo.sampler import Completion, HFSampler, check_sync
 
 # The builds this file is written against, and what each wheel declares (its METADATA); setup.py's own
 # ranges must meet these. tests/check_vllm_contract.py compares this record with either wheel.

@@ -314,3 +314,20 @@ def test_every_exit_destroys_the_process_group_and_its_threads(tmp_path, nproc, 
 def test_ref_offload_works_without_an_accelerator(tmp_path):
     proc = run(["train.py"] + SMOKE + ["--ref-offload", "--output-dir", str(tmp_path / "run")], check=False)
     assert proc.returncode == 0, proc.stderr[-2000:]
+
+
+@pytest.mark.slow  # launches torchrun
+def test_exchange_objects_delivers_each_object_to_its_rank_alone(tmp_path):
+    """Dynamic sampling deals the chosen groups out with dist.exchange_objects: rank r gets only what was sent
+    to it (all_gather_object, before, gave every rank every chosen group)."""
+    script = tmp_path / "exchange.py"
+    script.write_text(f"import sys; sys.path.insert(0, {ROOT!r})\n" + (
+        "from minigdpo import dist\n"
+        "dist.init()\n"
+        "r, w = dist.rank(), dist.world_size()\n"
+        "got = dist.exchange_objects([{'from': r, 'to': d, 'pad': 'x' * (1000 * r + d)} for d in range(w)])\n"
+        "assert got == [{'from': s, 'to': r, 'pad': 'x' * (1000 * s + r)} for s in range(w)], got\n"
+        "print('ok')\n"
+        "dist.cleanup()\n"))
+    (result,), _ = launch([(torchrun(1, 0, 2, free_port(), [str(script)]), ROOT)], timeout=90)
+    assert result[0] == 0 and result[1].count("ok") == 2, result[2][-3000:]  # one line from each rank
