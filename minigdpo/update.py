@@ -27,8 +27,8 @@ Aggregations (`agg`), each also known by its TRL `loss_type` name:
 - seq_mean_token_mean is the original GRPO objective; seq_mean_token_sum_norm is Dr. GRPO, whose
   constant `max_len` weighs long and short answers alike.
 
-Every normaliser is this rank's share (num_tokens, num_seqs, num_micro_batches): FSDP2 averages the
-gradients over ranks, as DDP does for TRL. The asymmetric clip (`clip_high` > `clip_low`) is DAPO's
+`update` computes the one normaliser its aggregation needs (the last column's divisor) and passes it to
+`policy_loss` as `norm`, as this rank's share: FSDP2 averages the gradients over ranks, as DDP does for TRL. The asymmetric clip (`clip_high` > `clip_low`) is DAPO's
 "clip-higher"; both default to 0.2.
 """
 
@@ -56,13 +56,13 @@ def aggregation(name):
 
 
 def policy_loss(logp, old_logp, ref_logp, advantages, mask, *, clip_low=0.2, clip_high=0.2, beta=0.04,
-                agg="micro_batch_token_mean", num_tokens=None, num_seqs=None, max_len=None, num_micro_batches=1,
-                sampler_logp=None, tis_cap=0.0):
+                agg="micro_batch_token_mean", norm=None, sampler_logp=None, tis_cap=0.0):
     """Return (loss, metrics) for one micro-batch: a pure function of its tensors.
 
     logp, old_logp, ref_logp, mask: (N, T); advantages: (N,). ref_logp may be None when beta == 0.
-    num_tokens / num_seqs / num_micro_batches: this rank's share of the batch being accumulated
-    (default: this micro-batch alone). tis_cap > 0 multiplies the surrogate (not the KL) by the
+    norm: what the aggregation divides the micro-batch's sum by (module docstring's table): tokens for
+    micro_batch_token_mean and token_mean, sequences for seq_mean_token_mean, sequences x max_len for
+    seq_mean_token_sum_norm; default, this micro-batch alone. tis_cap > 0 multiplies the surrogate (not the
     truncated importance weight min(exp(old_logp - sampler_logp), tis_cap), which corrects for the
     sampler/trainer mismatch (Yao et al., 2025). Metrics are 0-dim tensors (no host sync): sums over
     this micro-batch's valid tokens, except ratio_min and ratio_max.
@@ -82,19 +82,13 @@ def policy_loss(logp, old_logp, ref_logp, advantages, mask, *, clip_low=0.2, cli
         per_token = per_token + beta * kl                           # (N, T)
 
     masked = per_token * mask                                       # (N, T)
-    if agg == "micro_batch_token_mean":
-        loss = masked.sum() / mask.sum().clamp(min=1) / num_micro_batches
-    elif agg == "token_mean":
-        denom = num_tokens if num_tokens is not None else mask.sum().clamp(min=1)
-        loss = masked.sum() / denom
-    else:
-        if agg == "seq_mean_token_mean":
-            per_seq = masked.sum(dim=1) / mask.sum(dim=1).clamp(min=1)  # (N,)
-        else:
-            if max_len is None:
-                raise ValueError("seq_mean_token_sum_norm needs max_len (the completion length limit)")
-            per_seq = masked.sum(dim=1) / max_len                      # (N,)
-        loss = per_seq.sum() / (num_seqs if num_seqs is not None else logp.shape[0])
+    if agg == "seq_mean_token_mean":
+        per_seq = masked.sum(dim=1) / mask.sum(dim=1).clamp(min=1)  # (N,) each sequence's token mean
+        loss = per_seq.sum() / (norm if norm is not None else logp.shape[0])
+    else:  # a sum over tokens, divided by a count of tokens (or Dr. GRPO's sequences x max_len)
+        if norm is None and agg == "seq_mean_token_sum_norm":
+            raise ValueError("seq_mean_token_sum_norm needs norm = sequences x max_len (the completion length limit)")
+        loss = masked.sum() / (norm if norm is not None else mask.sum().clamp(min=1))
 
     with torch.no_grad():
         m = mask.bool()                                             # (N, T)
@@ -185,6 +179,7 @@ def update(model, opt, sched, batches, cfg, num_tokens, num_seqs):
     """
     totals = {k: torch.zeros((), device=dist.device()) for k in SUMMED}
     totals |= {"ratio_min": torch.tensor(math.inf), "ratio_max": torch.tensor(-math.inf), "skipped_steps": 0}
+    agg = aggregation(cfg.loss_agg)
     for it in range(cfg.num_iterations):
         opt.zero_grad(set_to_none=True)
         for i, mb in enumerate(batches):
@@ -192,9 +187,12 @@ def update(model, opt, sched, batches, cfg, num_tokens, num_seqs):
             dist.reduce_gradients(model, reduce_scatter=last or cfg.reduce_grads == "micro_batch", all_reduce=last)
             logp, entropy = logprobs(model, mb, cfg, entropy=True)
             old = mb.get("old_logp", logp.detach())  # num_iterations == 1: the policy that sampled is this one
+            # The aggregation's one normaliser (module docstring): bnpo weighs each micro-batch alike, the others
+            # divide by this rank's share of the global batch, so accumulation equals one big batch.
+            norm = {"micro_batch_token_mean": mb["mask"].sum().clamp(min=1) * len(batches), "token_mean": num_tokens,
+                    "seq_mean_token_mean": num_seqs, "seq_mean_token_sum_norm": num_seqs * cfg.max_new_tokens}[agg]
             loss, stats = policy_loss(logp, old, mb.get("ref_logp"), mb["adv"], mb["mask"], clip_low=cfg.clip_low,
-                                      clip_high=cfg.clip_high, beta=cfg.beta, agg=cfg.loss_agg, num_tokens=num_tokens,
-                                      num_seqs=num_seqs, max_len=cfg.max_new_tokens, num_micro_batches=len(batches),
+                                      clip_high=cfg.clip_high, beta=cfg.beta, agg=agg, norm=norm,
                                       sampler_logp=mb["sampler_logp"], tis_cap=cfg.tis_cap)
             loss.backward()
             if it == 0:

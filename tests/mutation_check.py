@@ -75,11 +75,11 @@ MUTATIONS = [
              "minigdpo/update.py", "pg = -torch.min(ratio * adv, clipped * adv)", "pg = -torch.max(ratio * adv, clipped * adv)",
              ("tests/test_loss.py",)),
     Mutation("loss: token_mean divides by the micro-batch's tokens, not the batch's",
-             "minigdpo/update.py", "denom = num_tokens if num_tokens is not None else mask.sum().clamp(min=1)",
-             "denom = mask.sum().clamp(min=1)", ("tests/test_loss.py",)),
+             "minigdpo/update.py", '"token_mean": num_tokens,', '"token_mean": mb["mask"].sum().clamp(min=1),',
+             ("tests/test_trl_oracle.py",)),
     Mutation("loss: bnpo forgets the number of micro-batches",
-             "minigdpo/update.py", "loss = masked.sum() / mask.sum().clamp(min=1) / num_micro_batches",
-             "loss = masked.sum() / mask.sum().clamp(min=1)", ("tests/test_loss.py",)),
+             "minigdpo/update.py", 'mb["mask"].sum().clamp(min=1) * len(batches)', 'mb["mask"].sum().clamp(min=1)',
+             ("tests/test_trl_oracle.py",)),
     # The log-probs, the optimizer and its schedule.
     Mutation("logprobs: the chunked log-probs ignore the temperature",
              "minigdpo/logprobs.py", "            if temperature != 1.0:\n                logits.div_(temperature)\n",
@@ -117,8 +117,8 @@ MUTATIONS = [
              "rewards/gsm8k.py", "return 1.0 if _drop_separators(predicted) == _drop_separators(gold) else 0.0",
              "return 1.0 if predicted in gold else 0.0", ("tests/test_rewards.py",)),
     Mutation('config: "3.0" accepted as an integer',
-             "minigdpo/config.py", "parser.add_argument(flag, type=f.type, default=None,",
-             "parser.add_argument(flag, type=(lambda x: int(float(x))) if f.type is int else f.type, default=None,",
+             "minigdpo/config.py", "group.add_argument(flag, type=f.type, default=None,",
+             "group.add_argument(flag, type=(lambda x: int(float(x))) if f.type is int else f.type, default=None,",
              ("tests/test_reliability.py", "-k", "integer_flag")),
 ]
 

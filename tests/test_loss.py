@@ -73,7 +73,7 @@ def test_aggregations():
     assert tm.item() == pytest.approx(-(3 * 1 + 3) / 4)
     sm, _ = policy_loss(logp, logp, None, adv, mask, agg="seq_mean_token_mean", **kw)
     assert sm.item() == pytest.approx(-(1 + 3) / 2)
-    dr, _ = policy_loss(logp, logp, None, adv, mask, agg="seq_mean_token_sum_norm", max_len=10, **kw)
+    dr, _ = policy_loss(logp, logp, None, adv, mask, agg="seq_mean_token_sum_norm", norm=2 * 10, **kw)  # 2 x max_len
     assert dr.item() == pytest.approx(-(3 / 10 + 3 / 10) / 2)
     with pytest.raises(ValueError, match="max_len"):
         policy_loss(logp, logp, None, adv, mask, agg="seq_mean_token_sum_norm", **kw)
@@ -85,9 +85,9 @@ def test_micro_batch_token_mean_weighs_micro_batches_alike():
     """bnpo: each micro-batch is divided by its own token count, then by the micro-batches per step."""
     logp = torch.zeros(1, 3)
     a, _ = policy_loss(logp, logp, None, torch.tensor([1.0]), torch.tensor([[1.0, 1.0, 1.0]]), beta=0.0,
-                       agg="micro_batch_token_mean", num_micro_batches=2)
+                       agg="micro_batch_token_mean", norm=3 * 2)  # its own 3 tokens x 2 micro-batches
     b, _ = policy_loss(logp, logp, None, torch.tensor([3.0]), torch.tensor([[1.0, 0.0, 0.0]]), beta=0.0,
-                       agg="micro_batch_token_mean", num_micro_batches=2)
+                       agg="micro_batch_token_mean", norm=1 * 2)
     assert (a + b).item() == pytest.approx(-(3 / 3 + 3 / 1) / 2)  # token_mean over both would give -6 / 4
 
 
@@ -97,7 +97,7 @@ def test_trl_loss_type_names_select_the_same_aggregation(trl, ours):
     g = torch.Generator().manual_seed(1)
     logp, adv = torch.randn(3, 4, generator=g), torch.randn(3, generator=g)
     mask = torch.tensor([[1.0, 1.0, 0.0, 0.0], [1.0, 1.0, 1.0, 1.0], [1.0, 0.0, 0.0, 0.0]])
-    kw = dict(beta=0.1, max_len=4, num_tokens=9.0, num_seqs=5, num_micro_batches=3)
+    kw = dict(beta=0.1, norm=9.0)
     assert policy_loss(logp, logp - 0.1, logp + 0.2, adv, mask, agg=trl, **kw)[0].item() == \
         policy_loss(logp, logp - 0.1, logp + 0.2, adv, mask, agg=ours, **kw)[0].item()
 
@@ -109,15 +109,15 @@ def test_global_normaliser_makes_accumulation_equal_one_big_batch():
     ref = logp.detach() + 0.1 * torch.randn(6, 5, generator=g)
     adv = torch.randn(6, generator=g)
     mask = (torch.rand(6, 5, generator=g) > 0.3).float()
-    for agg, key in [("token_mean", "num_tokens"), ("seq_mean_token_mean", "num_seqs"), ("seq_mean_token_sum_norm", "num_seqs")]:
+    # the whole batch's normaliser: its tokens, its 6 sequences, or 6 sequences x max_len 5
+    for agg, norm in [("token_mean", mask.sum()), ("seq_mean_token_mean", 6), ("seq_mean_token_sum_norm", 6 * 5)]:
         logp.grad = None
-        full, _ = policy_loss(logp, old, ref, adv, mask, agg=agg, max_len=5)
+        full, _ = policy_loss(logp, old, ref, adv, mask, agg=agg, norm=norm if agg == "seq_mean_token_sum_norm" else None)
         full.backward()
         want = logp.grad.clone()
         logp.grad = None
-        norm = {"num_tokens": mask.sum(), "num_seqs": 6}[key]
         for sl in (slice(0, 2), slice(2, 6)):
-            part, _ = policy_loss(logp[sl], old[sl], ref[sl], adv[sl], mask[sl], agg=agg, max_len=5, **{key: norm})
+            part, _ = policy_loss(logp[sl], old[sl], ref[sl], adv[sl], mask[sl], agg=agg, norm=norm)
             part.backward()
         torch.testing.assert_close(logp.grad, want)
 
