@@ -53,6 +53,22 @@ def refused(proc):
     return err
 
 
+def refusal(argv):
+    """train.py's one-line refusal, in this process: the error its __main__ prints before exiting with status 2
+    (test_train.py keeps one end-to-end launch that checks the exit status and the single line)."""
+    if ROOT not in sys.path:
+        sys.path.insert(0, ROOT)
+    import train
+    from minigdpo.config import ConfigError
+    from minigdpo.data import DataError
+    from minigdpo.vllm_sampler import SamplerUnavailable
+
+    with pytest.raises((ConfigError, DataError, SamplerUnavailable)) as refused_with:
+        train.run_training(argv)
+    assert "\n" not in str(refused_with.value), str(refused_with.value)
+    return str(refused_with.value)
+
+
 def read_jsonl(path):
     with open(path) as f:
         return [json.loads(line) for line in f if line.strip()]

@@ -11,7 +11,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import read_jsonl, refused, run
+from conftest import read_jsonl, refusal, refused, run
 
 SMOKE = ["train.py", "--preset", "smoke", "--rewards", "tests.helpers:digit_frac,tests.helpers:vowel_frac,format"]
 
@@ -70,10 +70,14 @@ def test_update_on_two_ranks_equals_one_rank(tmp_path, agg):
         torch.testing.assert_close(t, b["params"][name], rtol=0, atol=1e-5, msg=name)
 
 
+def test_a_bad_flag_stops_train_py_with_one_line_and_status_2(tmp_path):
+    proc = run(["train.py", "--preset", "smoke", "--output-dir", str(tmp_path), "--group-size", "1"], check=False)
+    assert "--group-size must be at least 2" in refused(proc)
+
+
 @pytest.mark.parametrize(
     "flags,message",
     [
-        (["--group-size", "1"], "--group-size must be at least 2"),
         (["--batch-size", "10", "--group-size", "4"], "must be a multiple of --group-size"),
         (["--estimator", "ppo"], "--estimator 'ppo' is not one of"),
         (["--lr", "-1"], "--lr must be in (0, 1)"),
@@ -86,9 +90,9 @@ def test_update_on_two_ranks_equals_one_rank(tmp_path, agg):
         (["--data", "/nonexistent.jsonl", "--task", "gsm8k"], "/nonexistent.jsonl: no such file"),
     ],
 )
-def test_bad_config_is_one_line_before_any_model_loads(tmp_path, flags, message):
-    proc = run(["train.py", "--preset", "smoke", "--output-dir", str(tmp_path)] + flags, check=False)
-    assert message in refused(proc)
+def test_bad_config_is_one_line_before_any_model_loads(tmp_path, capsys, flags, message):
+    assert message in refusal(["--preset", "smoke", "--output-dir", str(tmp_path)] + flags)
+    assert "parameters:" not in capsys.readouterr().out  # stopped before the model was built
 
 
 @pytest.mark.slow

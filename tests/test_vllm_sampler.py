@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import fake_vllm
-from conftest import ROOT, run
+from conftest import ROOT, refusal, run
 from minigdpo import config, models, policy, vllm_sampler
 from minigdpo.sampler import SamplingParams
 from minigdpo.vllm_sampler import VLLMSampler
@@ -276,11 +276,11 @@ def test_ignore_eos_passes_no_stop_ids_and_runs_to_max_new_tokens(vllm):
 
 
 def test_sampler_vllm_without_vllm_or_cuda_is_one_line(tmp_path):
-    proc = run(["train.py", "--preset", "smoke", "--sampler", "vllm", "--output-dir", str(tmp_path)], check=False)
-    assert proc.returncode == 2
-    err = proc.stderr.strip()
-    assert len(err.splitlines()) == 1 and "Traceback" not in err
-    assert "--sampler vllm needs" in err
+    import importlib.util
+
+    if importlib.util.find_spec("vllm") is not None:
+        pytest.skip("vLLM is installed here")
+    assert "--sampler vllm needs" in refusal(["--preset", "smoke", "--sampler", "vllm", "--output-dir", str(tmp_path)])
 
 
 # The fake engine's vLLM behaviours ------------------------------------------------------------
