@@ -11,6 +11,7 @@ train.py flag passes through and overrides the preset. The script reads metrics.
 the medians over every step but the first (warm-up):
 
     MFU = 6 x parameters x tokens through the model in the update / update seconds / peak, per device
+    (train.py's throughput/update_tflops_per_device; with LoRA, 4 x parameters + 2 x trainable ones)
 
 Tokens count each prompt once per micro-batch (its G completions share its forward pass) plus
 every completion token. --peak-tflops is the accelerator's dense bf16 peak: 989 for an H100 SXM
