@@ -167,27 +167,35 @@ def test_building_the_engine_leaves_torch_set_num_threads_working(engine):
     torch.set_num_threads(n)
 
 
-def test_generation_config_eos_ids_stop_unless_ignore_eos(path, engine, tmp_path):
+def test_generation_config_eos_ids_stop_unless_ignore_eos(path, tmp_path):
     """vLLM adds the EOS ids of generation_config.json, other than the tokenizer's, to every request's stop
-    ids, unless ignore_eos (sampling_params.py:775-803); models.stop_token_ids gives them to the sampler too."""
+    ids, unless ignore_eos (sampling_params.py:775-803); models.stop_token_ids gives them to the sampler too.
+    The engine runs in a process of its own: vLLM's parallel state is global to a process, and a second
+    engine's shutdown would take the first one's (and the session's process group) with it."""
     import shutil
+    import subprocess
+    import sys
 
     from transformers import GenerationConfig
-    from vllm.inputs import TokensPrompt
 
     other = str(tmp_path / "model")
     shutil.copytree(path, other)
-    tok = models.load_tokenizer(path)
-    GenerationConfig(eos_token_id=[tok.eos_token_id] + STOPS).save_pretrained(other)
-    # a second engine in this process (the CPU build has no CuMem allocator); not shut down here: its shutdown
-    # would destroy the session's process group
-    llm = vllm.LLM(model=other, dtype="float32", seed=1, max_model_len=96, enforce_eager=True,
-                   kv_cache_memory_bytes=2**26, distributed_executor_backend="external_launcher")
-    for ignore in (False, True):
-        params = vllm.SamplingParams(n=8, max_tokens=40, seed=2, ignore_eos=ignore)
-        outs = llm.generate([TokensPrompt(prompt_token_ids=[5, 6, 7, 8])], [params], use_tqdm=False)[0].outputs
-        ended = [o for o in outs if len(o.token_ids) < 40]
-        assert bool(ended) is not ignore and all(o.token_ids[-1] in STOPS for o in ended)
+    GenerationConfig(eos_token_id=[models.load_tokenizer(path).eos_token_id] + STOPS).save_pretrained(other)
+    script = (
+        "import json, sys, vllm\n"
+        "from vllm.inputs import TokensPrompt\n"
+        "llm = vllm.LLM(model=sys.argv[1], dtype='float32', seed=1, max_model_len=96, enforce_eager=True,\n"
+        "               kv_cache_memory_bytes=2**26)\n"
+        "for ignore in (False, True):\n"
+        "    params = vllm.SamplingParams(n=8, max_tokens=40, seed=2, ignore_eos=ignore)\n"
+        "    outs = llm.generate([TokensPrompt(prompt_token_ids=[5, 6, 7, 8])], [params], use_tqdm=False)[0].outputs\n"
+        "    print(json.dumps([list(o.token_ids) for o in outs]))\n")
+    proc = subprocess.run([sys.executable, "-c", script, other], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for ignore, line in zip((False, True), proc.stdout.strip().splitlines()[-2:]):
+        ended = [ids for ids in json.loads(line) if len(ids) < 40]
+        assert bool(ended) is not ignore and all(ids[-1] in STOPS for ids in ended)
 
 
 # train.py, eval.py and torchrun, each a process of its own -------------------------------------------
