@@ -60,9 +60,9 @@ def policy_loss(logp, old_logp, ref_logp, advantages, mask, *, clip_low=0.2, cli
     """Return (loss, metrics) for one micro-batch: a pure function of its tensors.
 
     logp, old_logp, ref_logp, mask: (N, T); advantages: (N,). ref_logp may be None when beta == 0.
-    norm: what the aggregation divides the micro-batch's sum by (module docstring's table): tokens for
-    micro_batch_token_mean and token_mean, sequences for seq_mean_token_mean, sequences x max_len for
-    seq_mean_token_sum_norm; default, this micro-batch alone. tis_cap > 0 multiplies the surrogate (not the
+    norm: the aggregation's normaliser (module docstring's table): micro-batches per step for
+    micro_batch_token_mean (after its own token mean), tokens for token_mean, sequences for
+    seq_mean_token_mean, sequences x max_len for seq_mean_token_sum_norm; default, this micro-batch alone. tis_cap > 0 multiplies the surrogate (not the
     truncated importance weight min(exp(old_logp - sampler_logp), tis_cap), which corrects for the
     sampler/trainer mismatch (Yao et al., 2025). Metrics are 0-dim tensors (no host sync): sums over
     this micro-batch's valid tokens, except ratio_min and ratio_max.
@@ -82,7 +82,9 @@ def policy_loss(logp, old_logp, ref_logp, advantages, mask, *, clip_low=0.2, cli
         per_token = per_token + beta * kl                           # (N, T)
 
     masked = per_token * mask                                       # (N, T)
-    if agg == "seq_mean_token_mean":
+    if agg == "micro_batch_token_mean":  # the micro-batch's own token mean, over `norm` micro-batches
+        loss = masked.sum() / mask.sum().clamp(min=1) / (norm if norm is not None else 1)
+    elif agg == "seq_mean_token_mean":
         per_seq = masked.sum(dim=1) / mask.sum(dim=1).clamp(min=1)  # (N,) each sequence's token mean
         loss = per_seq.sum() / (norm if norm is not None else logp.shape[0])
     else:  # a sum over tokens, divided by a count of tokens (or Dr. GRPO's sequences x max_len)
@@ -189,7 +191,7 @@ def update(model, opt, sched, batches, cfg, num_tokens, num_seqs):
             old = mb.get("old_logp", logp.detach())  # num_iterations == 1: the policy that sampled is this one
             # The aggregation's one normaliser (module docstring): bnpo weighs each micro-batch alike, the others
             # divide by this rank's share of the global batch, so accumulation equals one big batch.
-            norm = {"micro_batch_token_mean": mb["mask"].sum().clamp(min=1) * len(batches), "token_mean": num_tokens,
+            norm = {"micro_batch_token_mean": len(batches), "token_mean": num_tokens,
                     "seq_mean_token_mean": num_seqs, "seq_mean_token_sum_norm": num_seqs * cfg.max_new_tokens}[agg]
             loss, stats = policy_loss(logp, old, mb.get("ref_logp"), mb["adv"], mb["mask"], clip_low=cfg.clip_low,
                                       clip_high=cfg.clip_high, beta=cfg.beta, agg=agg, norm=norm,

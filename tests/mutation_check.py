@@ -78,7 +78,7 @@ MUTATIONS = [
              "minigdpo/update.py", '"token_mean": num_tokens,', '"token_mean": mb["mask"].sum().clamp(min=1),',
              ("tests/test_trl_oracle.py",)),
     Mutation("loss: bnpo forgets the number of micro-batches",
-             "minigdpo/update.py", 'mb["mask"].sum().clamp(min=1) * len(batches)', 'mb["mask"].sum().clamp(min=1)',
+             "minigdpo/update.py", '"micro_batch_token_mean": len(batches),', '"micro_batch_token_mean": 1,',
              ("tests/test_trl_oracle.py",)),
     # The log-probs, the optimizer and its schedule.
     Mutation("logprobs: the chunked log-probs ignore the temperature",

@@ -85,9 +85,9 @@ def test_micro_batch_token_mean_weighs_micro_batches_alike():
     """bnpo: each micro-batch is divided by its own token count, then by the micro-batches per step."""
     logp = torch.zeros(1, 3)
     a, _ = policy_loss(logp, logp, None, torch.tensor([1.0]), torch.tensor([[1.0, 1.0, 1.0]]), beta=0.0,
-                       agg="micro_batch_token_mean", norm=3 * 2)  # its own 3 tokens x 2 micro-batches
+                       agg="micro_batch_token_mean", norm=2)  # its own token mean, over 2 micro-batches
     b, _ = policy_loss(logp, logp, None, torch.tensor([3.0]), torch.tensor([[1.0, 0.0, 0.0]]), beta=0.0,
-                       agg="micro_batch_token_mean", norm=1 * 2)
+                       agg="micro_batch_token_mean", norm=2)
     assert (a + b).item() == pytest.approx(-(3 / 3 + 3 / 1) / 2)  # token_mean over both would give -6 / 4
 
 
