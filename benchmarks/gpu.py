@@ -29,6 +29,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 from minigdpo.plot import read_run  # noqa: E402
 from minigdpo import models  # noqa: E402
+from gpu_proxies import add_shape_args, shape  # noqa: E402  (this folder is on the path when run as a script)
 
 
 def model_dir(layers, hidden, heads, kv_heads, intermediate, vocab):
@@ -54,16 +55,11 @@ def main(argv=None):
     p.add_argument("--steps", type=int, default=5, help="train.py steps; the first is warm-up")
     p.add_argument("--nproc", type=int, default=1, help="ranks; more than 1 runs train.py under torchrun")
     p.add_argument("--peak-tflops", type=float, default=989.0, help="dense bf16 peak per device")
-    p.add_argument("--layers", type=int, default=24)
-    p.add_argument("--hidden", type=int, default=896)
-    p.add_argument("--heads", type=int, default=14)
-    p.add_argument("--kv-heads", type=int, default=2)
-    p.add_argument("--intermediate", type=int, default=4864)
-    p.add_argument("--vocab", type=int, default=151936)
+    add_shape_args(p, layers=24, hidden=896, heads=14, kv_heads=2, intermediate=4864)  # Qwen2.5-0.5B's
     args, train_args = p.parse_known_args(argv)
     if args.steps < 2:
         p.error("--steps must be at least 2 (the first step is warm-up)")
-    model = model_dir(args.layers, args.hidden, args.heads, args.kv_heads, args.intermediate, args.vocab)
+    model = model_dir(*shape(args))
     out = tempfile.mkdtemp(prefix="bench-gpu-")
     launch = [sys.executable] if args.nproc == 1 else [sys.executable, "-m", "torch.distributed.run",
                                                         "--nproc_per_node", str(args.nproc)]

@@ -59,6 +59,18 @@ def model_dir(layers, hidden, heads, kv_heads, intermediate, vocab):
     return models._build_once(f"proxy-qwen2-{layers}x{hidden}-i{intermediate}-v{vocab}-bf16", build)
 
 
+def add_shape_args(parser, layers, hidden, heads, kv_heads, intermediate, vocab=151936):
+    """The random Qwen2's shape as flags (--layers, --hidden, ...), with these defaults; model_dir takes them."""
+    for flag, default in (("layers", layers), ("hidden", hidden), ("heads", heads), ("kv-heads", kv_heads),
+                          ("intermediate", intermediate), ("vocab", vocab)):
+        parser.add_argument(f"--{flag}", type=int, default=default)
+
+
+def shape(args):
+    """model_dir's arguments from add_shape_args's flags."""
+    return args.layers, args.hidden, args.heads, args.kv_heads, args.intermediate, args.vocab
+
+
 # Counters ---------------------------------------------------------------------------------------
 
 class Collectives:
@@ -267,12 +279,7 @@ def export_figures(model, tokenizer, path, source, args):
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--layers", type=int, default=3)
-    p.add_argument("--hidden", type=int, default=256)
-    p.add_argument("--heads", type=int, default=4)
-    p.add_argument("--kv-heads", type=int, default=2)
-    p.add_argument("--intermediate", type=int, default=1024)
-    p.add_argument("--vocab", type=int, default=151936)
+    add_shape_args(p, layers=3, hidden=256, heads=4, kv_heads=2, intermediate=1024)
     p.add_argument("--prompts", type=int, default=2, help="prompts per rank")
     p.add_argument("--group", type=int, default=4, help="completions per prompt")
     p.add_argument("--micro-batch", type=int, default=4)
@@ -286,7 +293,7 @@ def main(argv=None):
     transformers.logging.set_verbosity_error()
     transformers.utils.logging.disable_progress_bar()
     torch.manual_seed(0)
-    path = model_dir(args.layers, args.hidden, args.heads, args.kv_heads, args.intermediate, args.vocab)
+    path = model_dir(*shape(args))
     device = dist.init()
     world, dtype = dist.world_size(), torch.bfloat16
     tokenizer = models.load_tokenizer(path)

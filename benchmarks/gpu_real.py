@@ -27,7 +27,7 @@ from torch.profiler import ProfilerActivity, profile
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
-from gpu_proxies import Collectives, HostSyncs, batch, model_dir, resident_bytes  # noqa: E402
+from gpu_proxies import Collectives, HostSyncs, add_shape_args, batch, model_dir, resident_bytes, shape  # noqa: E402
 from minigdpo import dist, models, policy  # noqa: E402
 from minigdpo.config import Config  # noqa: E402
 from minigdpo.sampler import HFSampler, SamplingParams  # noqa: E402
@@ -67,12 +67,7 @@ def syncs_per_token(path, device, dtype):
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--layers", type=int, default=28)
-    p.add_argument("--hidden", type=int, default=1536)
-    p.add_argument("--heads", type=int, default=12)
-    p.add_argument("--kv-heads", type=int, default=2)
-    p.add_argument("--intermediate", type=int, default=8960)
-    p.add_argument("--vocab", type=int, default=151936)
+    add_shape_args(p, layers=28, hidden=1536, heads=12, kv_heads=2, intermediate=8960)  # Qwen2.5-1.5B's
     p.add_argument("--prompts", type=int, default=2, help="prompts per step")
     p.add_argument("--group", type=int, default=8, help="completions per prompt")
     p.add_argument("--micro-batch", type=int, default=8)
@@ -83,7 +78,7 @@ def main(argv=None):
     import transformers
 
     transformers.logging.set_verbosity_error()
-    path = model_dir(args.layers, args.hidden, args.heads, args.kv_heads, args.intermediate, args.vocab)
+    path = model_dir(*shape(args))
     device = dist.init()
     if device.type != "cuda":
         raise SystemExit("gpu_real.py measures a CUDA GPU; on the CPU run benchmarks/gpu_proxies.py")

@@ -259,7 +259,9 @@ def build_parser(description=""):
     docs, sections, groups = field_docs(), field_sections(), {}
     for f in fields(Config):
         title = sections.get(f.name, "other")
-        group = groups.get(title) or groups.setdefault(title, parser.add_argument_group(title))
+        if title not in groups:
+            groups[title] = parser.add_argument_group(title)
+        group = groups[title]
         flag = "--" + f.name.replace("_", "-")
         default = f.default if f.default is not MISSING else f.default_factory()
         help_text = f"{docs.get(f.name, '')} (default: {default!r})"

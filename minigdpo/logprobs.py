@@ -23,6 +23,7 @@ import torch.nn as nn
 from torch.utils.checkpoint import checkpoint
 
 from minigdpo import dist
+from minigdpo.sampler import tied_names
 
 PREFIX_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")  # whose forward the shared-prefix pass reproduces
 PREFIX_ATTENTION = ("sdpa", "eager")
@@ -264,10 +265,4 @@ class LogProbModel(nn.Module):
 
     def tied_names(self):
         """Names that share storage with an earlier name, e.g. lm_head.weight -> model.embed_tokens.weight."""
-        first, tied = {}, {}
-        for name, t in self.lm.state_dict(keep_vars=True).items():
-            if id(t) in first:
-                tied[name] = first[id(t)]
-            else:
-                first[id(t)] = name
-        return tied
+        return tied_names(self.lm)

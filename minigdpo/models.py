@@ -65,14 +65,15 @@ def tiny_tokenizer():
     return fast
 
 
-def _build_tiny(path):
+def _build_tiny(path, **shape):
+    """tiny-random: a 2-layer random Llama with the offline tokenizer; `shape` overrides its config's sizes."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     tok = tiny_tokenizer()
-    config = LlamaConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
-                         tie_word_embeddings=True, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
-                         bos_token_id=None)
+    sizes = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, max_position_embeddings=2048) | shape
+    config = LlamaConfig(vocab_size=len(tok), tie_word_embeddings=True, eos_token_id=tok.eos_token_id,
+                         pad_token_id=tok.pad_token_id, bos_token_id=None, **sizes)
     torch.manual_seed(0)
     LlamaForCausalLM(config).save_pretrained(path)
     tok.save_pretrained(path)

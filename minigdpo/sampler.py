@@ -41,15 +41,23 @@ class WeightSyncError(RuntimeError):
     """A weight sync that would leave some of the sampler's weights stale; the message names them."""
 
 
+def tied_names(lm):
+    """Names in `lm`'s state dict that share storage with an earlier name, e.g. lm_head.weight ->
+    model.embed_tokens.weight."""
+    first, tied = {}, {}
+    for name, t in lm.state_dict(keep_vars=True).items():
+        if id(t) in first:
+            tied[name] = first[id(t)]
+        else:
+            first[id(t)] = name
+    return tied
+
+
 def weight_names(lm):
     """The Hugging Face names a weight sync sends for model `lm`: its state dict, each tied weight once
     (under its first name, e.g. the input embedding for a tied head)."""
-    seen, names = set(), []
-    for name, t in lm.state_dict(keep_vars=True).items():
-        if id(t) not in seen:
-            seen.add(id(t))
-            names.append(name)
-    return names
+    tied = tied_names(lm)
+    return [name for name in lm.state_dict(keep_vars=True) if name not in tied]
 
 
 def check_sync(expected, sent):

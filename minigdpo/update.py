@@ -28,8 +28,8 @@ Aggregations (`agg`), each also known by its TRL `loss_type` name:
   constant `max_len` weighs long and short answers alike.
 
 `update` computes the one normaliser its aggregation needs (the last column's divisor) and passes it to
-`policy_loss` as `norm`, as this rank's share: FSDP2 averages the gradients over ranks, as DDP does for TRL. The asymmetric clip (`clip_high` > `clip_low`) is DAPO's
-"clip-higher"; both default to 0.2.
+`policy_loss` as `norm`, as this rank's share: FSDP2 averages the gradients over ranks, as DDP does for TRL.
+The asymmetric clip (`clip_high` > `clip_low`) is DAPO's "clip-higher"; both default to 0.2.
 """
 
 import math
@@ -62,8 +62,8 @@ def policy_loss(logp, old_logp, ref_logp, advantages, mask, *, clip_low=0.2, cli
     logp, old_logp, ref_logp, mask: (N, T); advantages: (N,). ref_logp may be None when beta == 0.
     norm: the aggregation's normaliser (module docstring's table): micro-batches per step for
     micro_batch_token_mean (after its own token mean), tokens for token_mean, sequences for
-    seq_mean_token_mean, sequences x max_len for seq_mean_token_sum_norm; default, this micro-batch alone. tis_cap > 0 multiplies the surrogate (not the
-    truncated importance weight min(exp(old_logp - sampler_logp), tis_cap), which corrects for the
+    seq_mean_token_mean, sequences x max_len for seq_mean_token_sum_norm; default, this micro-batch alone.
+    tis_cap > 0 multiplies the surrogate (not the KL) by the truncated importance weight min(exp(old_logp - sampler_logp), tis_cap), which corrects for the
     sampler/trainer mismatch (Yao et al., 2025). Metrics are 0-dim tensors (no host sync): sums over
     this micro-batch's valid tokens, except ratio_min and ratio_max.
     """
@@ -182,6 +182,10 @@ def update(model, opt, sched, batches, cfg, num_tokens, num_seqs):
     totals = {k: torch.zeros((), device=dist.device()) for k in SUMMED}
     totals |= {"ratio_min": torch.tensor(math.inf), "ratio_max": torch.tensor(-math.inf), "skipped_steps": 0}
     agg = aggregation(cfg.loss_agg)
+    # The aggregation's one normaliser (module docstring): bnpo weighs each micro-batch alike, the others
+    # divide by this rank's share of the global batch, so accumulation equals one big batch.
+    norm = {"micro_batch_token_mean": len(batches), "token_mean": num_tokens,
+            "seq_mean_token_mean": num_seqs, "seq_mean_token_sum_norm": num_seqs * cfg.max_new_tokens}[agg]
     for it in range(cfg.num_iterations):
         opt.zero_grad(set_to_none=True)
         for i, mb in enumerate(batches):
@@ -189,10 +193,6 @@ def update(model, opt, sched, batches, cfg, num_tokens, num_seqs):
             dist.reduce_gradients(model, reduce_scatter=last or cfg.reduce_grads == "micro_batch", all_reduce=last)
             logp, entropy = logprobs(model, mb, cfg, entropy=True)
             old = mb.get("old_logp", logp.detach())  # num_iterations == 1: the policy that sampled is this one
-            # The aggregation's one normaliser (module docstring): bnpo weighs each micro-batch alike, the others
-            # divide by this rank's share of the global batch, so accumulation equals one big batch.
-            norm = {"micro_batch_token_mean": len(batches), "token_mean": num_tokens,
-                    "seq_mean_token_mean": num_seqs, "seq_mean_token_sum_norm": num_seqs * cfg.max_new_tokens}[agg]
             loss, stats = policy_loss(logp, old, mb.get("ref_logp"), mb["adv"], mb["mask"], clip_low=cfg.clip_low,
                                       clip_high=cfg.clip_high, beta=cfg.beta, agg=agg, norm=norm,
                                       sampler_logp=mb["sampler_logp"], tis_cap=cfg.tis_cap)

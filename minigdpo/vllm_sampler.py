@@ -24,8 +24,8 @@ through Worker.reload_weights, v1/worker/gpu_worker.py:636 in 0.33.0, :629 in 0.
 both wheels). It takes Hugging Face names, rebuilds each vLLM module once all of its tensors arrived and
 reruns that module's post-load processing, so it is right on both engines:
 - on CPU, vLLM replaces each linear weight by a packed copy after loading
-  (model_executor/layers/utils.py:582-594 in 0.32.0), so the model's own load_weights fails there ("'Parameter' object has no attribute
-  'weight_loader'"), and only a reload repacks it;
+  (model_executor/layers/utils.py:582-594 in 0.32.0), so the model's own load_weights fails there
+  ("'Parameter' object has no attribute 'weight_loader'"), and only a reload repacks it;
 - on CUDA its extra cost over load_weights is one module's tensors at a time (reload/layerwise.py:344-401),
   at most the embedding (0.47 GB at Qwen2.5-1.5B), and one device copy of the weights.
 It returns nothing and does not fail on a module it received nothing for (it keeps the old weights with
@@ -52,7 +52,6 @@ The CPU build samples on vLLM's V1 path and 0.33.0 on CUDA on V2: the same seed 
 each, and every test of the streams is about the engine in use.
 """
 
-
 import os
 import random
 import socket
@@ -61,7 +60,7 @@ import numpy as np
 import torch
 
 from minigdpo import dist, models
-from minigdpo.sampler import Completion, HFSampler, check_sync
+from minigdpo.sampler import Completion, HFSampler, check_sync, tied_names
 
 # The builds this file is written against, and what each wheel declares (its METADATA); setup.py's own
 # ranges must meet these. tests/check_vllm_contract.py compares this record with either wheel.
@@ -121,11 +120,8 @@ class _KeepProcessState:
             torch.cuda.set_rng_state_all(cuda)
 
 
-def kv_cache_bytes(model_path, max_model_len, dtype):
+def kv_cache_bytes(config, max_model_len, dtype):
     """Bytes of KV cache one sequence of max_model_len tokens needs: 2 (K, V) x layers x KV heads x head dim."""
-    from transformers import AutoConfig
-
-    config = AutoConfig.from_pretrained(model_path)
     heads = config.num_attention_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
@@ -146,6 +142,7 @@ class VLLMSampler:
         self.stop_ids = sorted(stop_ids)
         self.can_sleep = current_platform.is_sleep_mode_available()
         dtype = dtype or torch.bfloat16
+        lm = models.empty_model(model_path, torch.float32)  # its config, and the names every sync must send
         options = {}
         if current_platform.is_cpu():
             # On CPU the memory share counts the node's whole RAM, less all this process holds, trainer included
@@ -153,7 +150,7 @@ class VLLMSampler:
             kv_cache_gib = kv_cache_gib or 1.0
             options["enforce_eager"] = True  # no graphs on CPU; compiling costs minutes on a small machine
         if kv_cache_gib:
-            need = kv_cache_bytes(model_path, max_model_len, dtype)
+            need = kv_cache_bytes(lm.config, max_model_len, dtype)
             if kv_cache_gib * 2**30 < need:
                 raise SamplerUnavailable(f"--vllm-kv-cache-gib {kv_cache_gib:g} holds less than one sequence of "
                                          f"{max_model_len} tokens ({need / 2**30:.3g} GiB): raise it")
@@ -167,12 +164,9 @@ class VLLMSampler:
         self.weights_awake, self.kv_awake = True, True
         # What every sync must send: each weight of the Hugging Face model, a tied head under its own name too
         # (aliases: the first name of a tied tensor -> its other names).
-        state, first, self.aliases = models.empty_model(model_path, torch.float32).state_dict(keep_vars=True), {}, {}
-        for name, t in state.items():
-            if id(t) in first:
-                self.aliases.setdefault(first[id(t)], []).append(name)
-            first.setdefault(id(t), name)
-        self.expected = list(state)
+        self.expected, self.aliases = list(lm.state_dict()), {}
+        for name, first in tied_names(lm).items():
+            self.aliases.setdefault(first, []).append(name)
 
     def generate(self, prompts, n, params):
         import vllm
@@ -234,9 +228,9 @@ class VLLMSampler:
         """Shut the engine down while the process group is still up: its shutdown destroys vLLM's groups
         and then the default one (distributed/parallel_state.py:2539-2546 in 0.33.0), and left to its
         finaliser it would run after dist.cleanup and fail on a group already gone."""
-        llm, self.llm = getattr(self, "llm", None), None
-        if llm is not None:
-            llm.llm_engine.engine_core.shutdown()
+        if self.llm is not None:
+            self.llm.llm_engine.engine_core.shutdown()
+            self.llm = None
 
 
 # Picking a backend -----------------------------------------------------------------------------

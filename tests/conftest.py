@@ -80,3 +80,26 @@ def process_group():
     from minigdpo import dist
 
     return dist.init()
+
+
+LAUNCHER_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+@pytest.fixture(autouse=True)
+def process_group_survives():
+    """What an in-process vLLM engine changes for the whole process, undone after each test: the sampler sets
+    torchrun's variables when they are missing (vllm_sampler._ensure_launcher_env), which train.py launched
+    by a later test would inherit; and the engine's shutdown destroys the default process group (eval.py shuts
+    its engine down; the fake engine does what vLLM does, tests/fake_vllm.py), which is made again."""
+    from minigdpo import dist
+
+    env = {k: os.environ.get(k) for k in LAUNCHER_ENV}
+    had = dist.mesh() is not None and dist.is_initialized()
+    yield
+    for k, v in env.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
+    if had and not dist.is_initialized():
+        dist.init()

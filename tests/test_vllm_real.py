@@ -32,22 +32,14 @@ STOPS = list(range(200, 230))  # 30 of 259 tokens: a random model stops early of
 FP32_GAP = 1e-5                # what fp32 rounding allows, with room
 
 
-def build_llama(path):
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    tok = models.tiny_tokenizer()
-    config = LlamaConfig(vocab_size=len(tok), hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=512,
-                         tie_word_embeddings=True, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
-                         bos_token_id=None)
-    torch.manual_seed(0)
-    LlamaForCausalLM(config).save_pretrained(path)
-    tok.save_pretrained(path)
-
-
 @pytest.fixture(scope="module")
 def path(model_cache):
-    return models._build_once("tiny-llama-hd64", build_llama)
+    """tiny-random's build with 64-wide heads (2 of them, one KV head) and a 512-token context."""
+    import functools
+
+    build = functools.partial(models._build_tiny, hidden_size=128, intermediate_size=256, num_attention_heads=2,
+                              num_key_value_heads=1, max_position_embeddings=512)
+    return models._build_once("tiny-llama-hd64", build)
 
 
 @pytest.fixture(scope="module")
