@@ -189,6 +189,9 @@ def test_gradients_cross_ranks_once_per_optimizer_step(tmp_path, sharding):
         assert counts["micro_batch"]["reduce_scatter"] == 4
         whole = counts["param_bytes_fp32"]  # rank 0: the whole fp32 gradient in step mode, half of it sharded
         assert counts["step"]["peak_grad_bytes"] >= whole and counts["micro_batch"]["peak_grad_bytes"] < 0.6 * whole
+        from minigdpo.config import Config
+
+        assert counts[Config().reduce_grads]["peak_grad_bytes"] < 0.6 * whole  # the default keeps them sharded
     else:  # 2 nodes of 1 rank: nothing to scatter within a node
         assert counts["step"]["all_reduce"] == counts["micro_batch"]["all_reduce"] == 1
     assert counts["param_diff"] < 1e-5
