@@ -40,7 +40,8 @@ import torch
 from tqdm import tqdm
 
 from minigdpo import checkpoint, config, dist, lora, models, policy
-from minigdpo.advantages import ESTIMATORS, Condition, apply_conditions, distinct_per_group, informative_groups
+from minigdpo.advantages import Condition, apply_conditions, distinct_per_group
+from minigdpo.estimators import ESTIMATORS, informative_groups
 from minigdpo.data import DataError
 from minigdpo.rollout import sample_groups, timed
 from minigdpo.update import fill_logprobs, micro_batches, model_tokens, optimizer, scheduler, step_metrics, update
@@ -104,9 +105,11 @@ def run_training(argv=None):
             dist.print0(f"resumed from {last} at step {start}")
 
     order = PromptOrder(len(task.examples), cfg.seed)
+    options = estimator_options(cfg)
 
     def informative(rewards):  # (B,) the groups the estimator can learn from: its own question, conditions applied
-        return informative_groups(apply_conditions(rewards, names, conditions), weights.to(rewards.device), cfg.estimator)
+        return informative_groups(apply_conditions(rewards, names, conditions), weights.to(rewards.device), cfg.estimator,
+                                  **options)
 
     log = Logger(cfg.output_dir, derived.total_steps, start, run, cfg.wandb)
     G, rank = cfg.group_size, dist.rank()
@@ -125,7 +128,7 @@ def run_training(argv=None):
         # 4. Advantages over the global batch (GDPO's batch step must see every rank's groups).
         rewards, lengths = sampled.rewards, sampled.lengths                    # (K, G, R), (K, G)
         shaped = apply_conditions(rewards, names, conditions)                  # (K, G, R) Eq. 8
-        adv_all = ESTIMATORS[cfg.estimator](shaped, weights.to(rewards.device), lengths=lengths)  # (K, G)
+        adv_all = ESTIMATORS[cfg.estimator](shaped, weights.to(rewards.device), lengths=lengths, **options)  # (K, G)
         first, last = rank * K // dist.world_size(), (rank + 1) * K // dist.world_size()
         adv = adv_all[first:last].reshape(-1).float().cpu()                    # (S,)
 
@@ -205,6 +208,15 @@ def run_training(argv=None):
     sampler.close()  # a vLLM engine shuts down while the process group it joined is still up
 
 
+def estimator_options(cfg):
+    """The keywords cfg.estimator takes besides (rewards, weights, lengths): gd2po's mode and tau, SAW's shift."""
+    if cfg.estimator == "gd2po":
+        return {"mode": cfg.gd2po_mode, "tau": cfg.gd2po_tau}
+    if cfg.estimator.startswith("saw_"):
+        return {"shift": cfg.saw_shift or None}
+    return {}
+
+
 def rewards_setup(cfg, task):
     """Reward names, conditions, weights and scorer; any bad name or count is a ConfigError."""
     names = cfg.rewards or task.rewards
@@ -213,8 +225,9 @@ def rewards_setup(cfg, task):
             raise ValueError(f"--rewards lists a reward twice: {names}")
         conditions = [Condition.parse(c) for c in cfg.condition]
         apply_conditions(torch.zeros(1, 1, len(names)), names, conditions)  # checks the names
-        if cfg.reward_weights and len(cfg.reward_weights) != len(names):
-            raise ValueError(f"--reward-weights has {len(cfg.reward_weights)} values for {len(names)} rewards {names}")
+        for flag, values in (("--reward-weights", cfg.reward_weights), ("--saw-shift", cfg.saw_shift)):
+            if values and len(values) != len(names):
+                raise ValueError(f"{flag} has {len(values)} values for {len(names)} rewards {names}")
         scorer = RewardScorer(names, timeout=cfg.reward_timeout)
     except ValueError as e:
         raise config.ConfigError(str(e)) from None

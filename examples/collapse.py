@@ -20,7 +20,11 @@ Counting rules:
   (every completion one token long here) and gdpo_nemo, are one affine map shared by every
   group, so they neither merge nor split advantage groups (the paper's Figure 2 omits the
   batch step for the same reason). What separates the GDPO variants is the group step:
-  gdpo_nemo's leave-one-out baselines give each sample its own scale.
+  gdpo_nemo's leave-one-out baselines give each sample its own scale. GD2PO's batch step whitens
+  the rollouts it keeps and gives the others 0; the group step decides which.
+- SAW (saw_gdpo, saw_grpo) is left out: its reward weights come from the whole batch, so its count
+  depends on which groups share a batch, here the enumeration itself. On a batch whose weights differ
+  it splits groups as weighted GDPO (saw_gdpo) or weighted GRPO (saw_grpo) with those weights.
 
 Shape legend: M enumerated groups, G samples, R rewards.
 """
@@ -34,9 +38,11 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from minigdpo.advantages import ESTIMATORS, group_zscore, informative_groups  # noqa: E402
+from minigdpo.advantages import group_zscore  # noqa: E402
+from minigdpo.estimators import ESTIMATORS, informative_groups  # noqa: E402
 
 DECIMALS = 6
+COUNTED = tuple(e for e in ESTIMATORS if not e.startswith("saw_"))  # SAW's weights come from the batch (above)
 
 
 def enumerate_groups(group_size, num_rewards):
@@ -59,7 +65,7 @@ def distinct_rows(advantages, decimals=DECIMALS):
     return torch.unique(keys, dim=0).shape[0]
 
 
-def count_all(group_size, num_rewards, estimators=tuple(ESTIMATORS)):
+def count_all(group_size, num_rewards, estimators=COUNTED):
     """{estimator: distinct advantage groups over all binary reward outcomes}, enumerating once."""
     if group_size < 2 or num_rewards < 1:
         raise ValueError("group_size must be >= 2 and num_rewards >= 1")
@@ -83,7 +89,7 @@ def table(group_sizes=range(2, 17), reward_counts=range(2, 9), fixed_rewards=2, 
 
 
 def format_table(rows):
-    names = list(ESTIMATORS)
+    names = list(COUNTED)
     lines = []
     for axis, title in (("G", "rewards R = 2, group size G varies"), ("R", "group size G = 4, rewards R vary")):
         lines.append(f"{title}\n{axis:>3} " + " ".join(f"{n:>12}" for n in names))
@@ -103,7 +109,7 @@ def plot(rows, path):
     fig, axes = plt.subplots(1, 2, figsize=(10, 4))
     for ax, axis, xlabel in ((axes[0], "G", "group size G (R = 2 rewards)"), (axes[1], "R", "number of rewards R (G = 4)")):
         xs = [v for a, v, _ in rows if a == axis]
-        for name, marker in zip(ESTIMATORS, "o^sDv"):
+        for name, marker in zip(COUNTED, "o^sDvP"):
             ax.plot(xs, [c[name] for a, _, c in rows if a == axis], marker=marker, label=name)
         ax.set_xlabel(xlabel)
         ax.set_ylabel("distinct advantage groups")

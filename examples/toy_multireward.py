@@ -33,7 +33,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from minigdpo.advantages import ESTIMATORS, informative_groups  # noqa: E402
+from minigdpo.estimators import ESTIMATORS, informative_groups  # noqa: E402
 from minigdpo.update import policy_loss  # noqa: E402
 
 BITS = 8
@@ -43,6 +43,9 @@ SETTINGS = {  # name: (reward bit groups, group size G)
     "equal, G=4": ([[0, 1], [2, 3], [4, 5]], 4),
 }
 NAMES = {3: ["easy", "medium", "hard"]}
+# GRPO, GDPO and GDPO's successors at their defaults (gd2po: snr, tau 0.8; SAW: no shift, the rewards are 0/1).
+ESTIMATORS_RUN = ("grpo", "gdpo", "gd2po", "saw_gdpo", "saw_grpo")
+COLOURS = {"grpo": "tab:blue", "gdpo": "tab:red", "gd2po": "tab:green", "saw_gdpo": "tab:purple", "saw_grpo": "tab:orange"}
 
 
 def run(estimator, groups, G, seed, steps=200, prompts=32, batch=16, lr=0.05, dynamic=False, max_rounds=4):
@@ -102,6 +105,8 @@ def main():
     p.add_argument("--steps", type=int, default=200)
     p.add_argument("--plot", metavar="PNG", help="draw the curves of every setting")
     p.add_argument("--dynamic-sampling", action="store_true", help="compare every setting with and without it")
+    p.add_argument("--estimators", default=",".join(ESTIMATORS_RUN),
+                   help=f"comma-separated, of {', '.join(ESTIMATORS)} (default: {','.join(ESTIMATORS_RUN)})")
     args = p.parse_args()
     torch.set_num_threads(1)
     t0 = time.time()
@@ -109,14 +114,14 @@ def main():
         return compare_dynamic(args.seeds, args.steps, t0)
     results = {}
     for setting, (groups, G) in SETTINGS.items():
-        for est in ("grpo", "gdpo"):
+        for est in args.estimators.split(","):
             results[setting, est] = torch.stack([run(est, groups, G, seed, args.steps)[0] for seed in range(args.seeds)])
     cols = ["reward 1", "reward 2", "reward 3", "all three"]
     print(f"success rate over the last 30 of {args.steps} steps, mean +- std over {args.seeds} seeds")
-    print(f"{'setting':<15} {'method':<6} " + " ".join(f"{c:>15}" for c in cols))
+    print(f"{'setting':<15} {'method':<8} " + " ".join(f"{c:>15}" for c in cols))
     for setting, est in results:
         mean, std = summarise(results[setting, est])
-        print(f"{setting:<15} {est:<6} " + " ".join(f"{m:>8.3f} +- {s:.3f}" for m, s in zip(mean, std)))
+        print(f"{setting:<15} {est:<8} " + " ".join(f"{m:>8.3f} +- {s:.3f}" for m, s in zip(mean, std)))
     print(f"({time.time() - t0:.0f} s; rewards are easy/medium/hard in the unequal settings, 2 bits each when equal)")
     if args.plot:
         plot(results, args.plot, cols)
@@ -149,7 +154,8 @@ def plot(results, path, cols):
     settings = list(SETTINGS)
     fig, axes = plt.subplots(len(settings), len(cols), figsize=(14, 3.2 * len(settings)), squeeze=False)
     for i, setting in enumerate(settings):
-        for est, color in (("grpo", "tab:blue"), ("gdpo", "tab:red")):
+        for est in sorted({e for _, e in results}, key=list(COLOURS).index):
+            color = COLOURS[est]
             curves = results[setting, est]                                    # (seeds, steps, R + 1)
             c = torch.cumsum(curves, 1)                                       # trailing mean over 10 steps
             smooth = (c - torch.nn.functional.pad(c, (0, 0, 10, 0))[:, :-10]) / torch.arange(1, c.shape[1] + 1).clamp(max=10)[:, None]

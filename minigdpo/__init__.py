@@ -2,3 +2,4 @@
 training step through its files in order, starting at train.py at the repository root."""
 
 __version__ = "0.1.0"
+

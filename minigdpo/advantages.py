@@ -1,5 +1,6 @@
 """Advantage estimators: GRPO, GRPO without std, GDPO (arXiv 2601.05242), and the GDPO
-variants of verl and NeMo-RL.
+variants of verl and NeMo-RL. GDPO's successors, GD2PO and SAW, are in minigdpo/successors.py;
+minigdpo/estimators.py names them all (ESTIMATORS) for the command line.
 
 Every estimator is a pure function with one signature:
 
@@ -155,18 +156,34 @@ def gdpo_verl(rewards, weights=None, eps=VERL_EPS, lengths=None):
     gets L_i = 0); a completion of 0 tokens gets 0, as verl's mask gives it; with fewer
     than 2 tokens in the batch verl raises and this returns 0.
     """
-    a_sum = gdpo_group(rewards, weights, eps)                        # (B, G)
-    L = torch.ones_like(a_sum) if lengths is None else torch.as_tensor(lengths, device=a_sum.device).to(a_sum)  # (B, G)
-    if L.shape != a_sum.shape:
-        raise ValueError(f"lengths has shape {tuple(L.shape)}, expected {tuple(a_sum.shape)}")
-    L = torch.where(torch.isnan(rewards).all(dim=-1), 0.0, L)        # (B, G) a sample with no reward has no weight
+    return token_whiten(gdpo_group(rewards, weights, eps), token_counts(rewards, lengths))  # (B, G)
+
+
+def token_counts(rewards, lengths=None):
+    """Tokens per sample, (B, G): `lengths`, or 1 each without it, and 0 for a sample with no applicable reward."""
+    L = torch.ones(rewards.shape[:2]) if lengths is None else torch.as_tensor(lengths)  # (B, G)
+    L = L.to(device=rewards.device, dtype=rewards.dtype)
+    if L.shape != rewards.shape[:2]:
+        raise ValueError(f"lengths has shape {tuple(L.shape)}, expected {tuple(rewards.shape[:2])}")
+    return torch.where(torch.isnan(rewards).all(dim=-1), 0.0, L)
+
+
+def token_whiten(a, L, mean_eps=0.0):
+    """verl's masked_whiten of (B, G) per-sample values copied onto L_i tokens each (B, G).
+
+        mu = sum_i L_i a_i / (N + mean_eps),   N = sum_i L_i
+        var = sum_i L_i (a_i - mu)^2 / (N + mean_eps) * N / (N - 1)       Bessel over the N tokens
+        out_i = (a_i - mu) / sqrt(var + 1e-8)                             0 where L_i = 0
+
+    verl's masked_mean divides by N in verl-GDPO and SAW, by N + 1e-8 in GD2PO: mean_eps picks one.
+    With fewer than 2 tokens verl raises; this returns 0.
+    """
     n = L.sum()                                                      # ()
     if n < 2:
-        return torch.zeros_like(a_sum)
-    mu = (L * a_sum).sum() / n                                       # ()
-    var = (L * (a_sum - mu).pow(2)).sum() / (n - 1)                  # () Bessel over tokens
-    a = (a_sum - mu) * torch.rsqrt(var + WHITEN_EPS)                 # (B, G)
-    return torch.where(L > 0, a, 0.0)
+        return torch.zeros_like(a)
+    mu = (L * a).sum() / (n + mean_eps)                              # ()
+    var = (L * (a - mu).pow(2)).sum() / (n + mean_eps) * (n / (n - 1))  # ()
+    return torch.where(L > 0, (a - mu) * torch.rsqrt(var + WHITEN_EPS), 0.0)  # (B, G)
 
 
 def leave_one_out_zscore(x, eps=NEMO_EPS):
@@ -241,29 +258,6 @@ def distinct_per_group(advantages, decimals=4):
     """Distinct advantage values inside each group of (B, G): the training-time collapse signal."""
     keys = torch.round(advantages.float() * 10**decimals).sort(dim=1).values  # (B, G)
     return 1 + (keys[:, 1:] != keys[:, :-1]).sum(dim=1)                       # (B,)
-
-
-ESTIMATORS = {"grpo": grpo, "grpo_no_std": grpo_no_std, "gdpo": gdpo, "gdpo_verl": gdpo_verl, "gdpo_nemo": gdpo_nemo}
-
-# Each estimator's advantages before its batch step: the within-group comparison, the only part that
-# can tell one completion of a prompt from another.
-GROUP_STEPS = {"grpo": grpo, "grpo_no_std": grpo_no_std,
-               "gdpo": lambda r, w: grpo(r, w) if r.shape[-1] == 1 else gdpo_group(r, w),
-               "gdpo_verl": lambda r, w: gdpo_group(r, w, VERL_EPS), "gdpo_nemo": gdpo_nemo_group}
-
-
-def informative_groups(rewards, weights, estimator, tol=1e-6):
-    """Which groups of (B, G, R) rewards carry a signal for `estimator`: bool (B,).
-
-    A group is informative when the estimator's own group-level advantages (before any batch step)
-    are not all zero: some |A_i| > tol. Where they are all zero the group's completions cannot be
-    told apart, and a batch step only shifts them all alike. Conditions (Eq. 8) are applied first by
-    the caller; NaN rewards follow the estimators' rules. This is not the variance of the summed
-    reward, which DAPO-style filters test: under GDPO, rewards (2,0,0) against (0,1,1) sum to 2 and 2,
-    yet each reward varies and the group step gives +-0.71; under every estimator here (1,0) against
-    (0,1) gives 0 (the two rewards' z-scores cancel), and so does a constant sum under GRPO.
-    """
-    return GROUP_STEPS[estimator](rewards, weights).abs().amax(dim=1) > tol  # (B,)
 
 
 # Conditioned rewards (Eq. 8): r_k counts only where another reward r_l passes a threshold.

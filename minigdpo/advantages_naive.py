@@ -122,16 +122,88 @@ def gdpo_nemo_naive(rewards, weights=None, eps=NEMO_EPS, lengths=None, leave_one
             for g, ok in zip(summed, applies)]
 
 
+def _gd2po_sums(rewards, weights, eps, lengths, mode, tau):
+    """GD2PO before whitening, one rollout at a time: (S, kept) per group; S is 0 for a dropped rollout."""
+    R = len(rewards[0][0])
+    weights = [1.0] * R if weights is None else list(weights)
+    lengths = [[1] * len(g) for g in rewards] if lengths is None else lengths
+    sums, kept = [], []
+    for group, ls, ok in zip(rewards, lengths, _applies(rewards)):
+        per_reward = [_zscore_list([_nan_to_none(s[k]) for s in group], eps) for k in range(R)]
+        keep = []
+        for i in range(len(group)):
+            u = [(ls[i] if ok[i] else 0) * weights[k] * per_reward[k][i] for k in range(R)]
+            conflict = any(x > 1e-8 for x in u) and any(x < -1e-8 for x in u)
+            rho = sum(u) / (sum(abs(x) for x in u) + 1e-8)
+            keep.append(not conflict if mode == "hard" else not (conflict and abs(rho) < min(max(tau, 0.0), 1.0)))
+        q = sum(k and o for k, o in zip(keep, ok)) / max(sum(ok), 1)
+        sums.append([q * sum(weights[k] * per_reward[k][i] for k in range(R)) if keep[i] else 0.0
+                     for i in range(len(group))])
+        kept.append(keep)
+    return sums, kept
+
+
+def gd2po_naive(rewards, weights=None, eps=VERL_EPS, lengths=None, mode="snr", tau=0.8):
+    """Loop-over-rollouts GD2PO: conflict filter, query reweighting, then whiten the kept rollouts' tokens."""
+    sums, kept = _gd2po_sums(rewards, weights, eps, lengths, mode, tau)
+    lengths = [[1] * len(g) for g in rewards] if lengths is None else lengths
+    counts = [[int(n) if o and k else 0 for n, o, k in zip(ls, ok, kp)]
+              for ls, ok, kp in zip(lengths, _applies(rewards), kept)]
+    tokens = [a for g, ns in zip(sums, counts) for a, n in zip(g, ns) for _ in range(n)]
+    if len(tokens) < 2:
+        return [[0.0] * len(g) for g in sums]
+    n = len(tokens)
+    mean = sum(tokens) / (n + 1e-8)
+    var = sum((t - mean) ** 2 for t in tokens) / (n + 1e-8) * n / (n - 1)
+    return [[(a - mean) / math.sqrt(var + WHITEN_EPS) if c else 0.0 for a, c in zip(g, ns)]
+            for g, ns in zip(sums, counts)]
+
+
+def saw_weights_naive(rewards, shift=None):
+    """SAW's weights from every sample of the batch: R CV_k / (sum_j CV_j + 1e-8)."""
+    R = len(rewards[0][0])
+    shift = [0.0] * R if not shift else list(shift)
+    cvs = []
+    for k in range(R):
+        values = [s[k] + shift[k] for group in rewards for s in group if not math.isnan(s[k])]
+        if len(values) < 2:
+            cvs.append(0.0)
+            continue
+        mean, std = _mean_std(values)
+        cvs.append(std / (abs(mean) + 1e-8))
+    return [R * cv / (sum(cvs) + 1e-8) for cv in cvs]
+
+
+def _saw_times(rewards, weights, shift):
+    R = len(rewards[0][0])
+    weights = [1.0] * R if weights is None else list(weights)
+    return [w * u for w, u in zip(saw_weights_naive(rewards, shift), weights)]
+
+
+def saw_gdpo_naive(rewards, weights=None, eps=VERL_EPS, lengths=None, shift=None):
+    """Loop-over-groups SAW-GDPO: verl GDPO with SAW's weights."""
+    return gdpo_verl_naive(rewards, _saw_times(rewards, weights, shift), eps, lengths)
+
+
+def saw_grpo_naive(rewards, weights=None, eps=VERL_EPS, lengths=None, shift=None):
+    """Loop-over-groups SAW-GRPO: GRPO's group z-score of the SAW-weighted sum."""
+    return grpo_naive(rewards, _saw_times(rewards, weights, shift), eps)
+
+
 NAIVE = {"grpo": grpo_naive, "grpo_no_std": grpo_no_std_naive, "gdpo": gdpo_naive,
-         "gdpo_verl": gdpo_verl_naive, "gdpo_nemo": gdpo_nemo_naive}
+         "gdpo_verl": gdpo_verl_naive, "gdpo_nemo": gdpo_nemo_naive,
+         "gd2po": gd2po_naive, "saw_gdpo": saw_gdpo_naive, "saw_grpo": saw_grpo_naive}
 
 # Each estimator's advantages before its batch step, group by group.
 GROUP_STEPS_NAIVE = {"grpo": grpo_naive, "grpo_no_std": grpo_no_std_naive,
                      "gdpo": lambda r, w: grpo_naive(r, w) if len(r[0][0]) == 1 else _gdpo_sums(r, w, EPS),
                      "gdpo_verl": lambda r, w: _gdpo_sums(r, w, VERL_EPS),
-                     "gdpo_nemo": lambda r, w: _nemo_sums(r, w, NEMO_EPS)}
+                     "gdpo_nemo": lambda r, w: _nemo_sums(r, w, NEMO_EPS),
+                     "gd2po": lambda r, w, mode="snr", tau=0.8: _gd2po_sums(r, w, VERL_EPS, None, mode, tau)[0],
+                     "saw_gdpo": lambda r, w, shift=None: _gdpo_sums(r, _saw_times(r, w, shift), VERL_EPS),
+                     "saw_grpo": lambda r, w, shift=None: saw_grpo_naive(r, w, shift=shift)}
 
 
-def informative_groups_naive(rewards, weights, estimator, tol=1e-6):
+def informative_groups_naive(rewards, weights, estimator, tol=1e-6, **options):
     """One bool per group: does some sample's group-level advantage exceed tol in size?"""
-    return [any(abs(a) > tol for a in group) for group in GROUP_STEPS_NAIVE[estimator](rewards, weights)]
+    return [any(abs(a) > tol for a in group) for group in GROUP_STEPS_NAIVE[estimator](rewards, weights, **options)]

@@ -11,7 +11,7 @@ import inspect
 import math
 from dataclasses import MISSING, asdict, dataclass, field, fields  # noqa: F401  (fields is used by callers)
 
-from minigdpo.advantages import ESTIMATORS
+from minigdpo.estimators import ESTIMATORS
 from minigdpo.update import AGGREGATIONS, TRL_NAMES
 from rewards import TASKS
 
@@ -42,8 +42,14 @@ class Config:
     condition: list = field(default_factory=list)
     """Conditioned rewards (paper Eq. 8), e.g. length_ok:correct>=1. Repeat the flag or separate with commas."""
     estimator: str = "gdpo"
-    """Advantage estimator: gdpo (the paper's TRL code), grpo, grpo_no_std, gdpo_verl (verl-GDPO's
-    token-weighted batch step) or gdpo_nemo (NeMo-RL's leave-one-out baselines). See README, Estimators."""
+    """Advantage estimator: gdpo (the paper's TRL code), grpo, grpo_no_std, gdpo_verl, gdpo_nemo (verl's and
+    NeMo-RL's GDPO), or GDPO's successors gd2po, saw_gdpo and saw_grpo. See README, Estimators."""
+    gd2po_mode: str = "snr"
+    """gd2po: drop every rollout whose rewards pull apart (hard), or those that nearly cancel, |rho| < tau (snr)."""
+    gd2po_tau: float = 0.8
+    """gd2po with --gd2po-mode snr: the threshold tau, in [0, 1] (0.8 in GD2PO's scripts, 0.2 in its yaml)."""
+    saw_shift: list = field(default_factory=list)
+    """saw_*: one offset per reward added before SAW's batch statistics (SAW: +3 on a [-3, 3] reward). Empty: 0."""
 
     # Batch shape
     group_size: int = 16
@@ -56,7 +62,7 @@ class Config:
     """Optimizer passes over each sampled batch (mu in GRPO). 1 skips the old log-prob pass."""
     dynamic_sampling: bool = False
     """Train only on groups the estimator can learn from (some completion's group-level advantage is not 0,
-    advantages.informative_groups), sampling more prompts until the step holds batch_size such completions."""
+    estimators.informative_groups), sampling more prompts until the step holds batch_size such completions."""
     max_sample_rounds: int = 4
     """With --dynamic-sampling: rounds of sampling per step at most. At the cap the step trains on the groups it
     found, rounded down to a multiple of the world size, and skips its update if none (sampling/skipped_update)."""
@@ -204,7 +210,7 @@ CHOICES = {"estimator": tuple(ESTIMATORS), "task": tuple(TASKS), "loss_agg": AGG
            "preset": tuple(PRESETS), "lr_schedule": ("cosine", "constant"), "sampler": ("auto", "hf", "vllm"),
            "dtype": ("auto", "bf16", "fp32"), "length_unit": ("tokens", "words"), "answer_format": ("answer", "boxed"),
            "on_save_error": ("stop", "continue"), "sharding": ("auto", "fsdp", "hsdp"),
-           "reduce_grads": ("step", "micro_batch")}
+           "reduce_grads": ("step", "micro_batch"), "gd2po_mode": ("hard", "snr")}
 
 
 def field_docs(cls=Config):
@@ -230,10 +236,8 @@ def _list_of(kind):
 
 
 def _bool(text):
-    if text.lower() in ("1", "true", "yes", "on"):
-        return True
-    if text.lower() in ("0", "false", "no", "off"):
-        return False
+    if text.lower() in ("1", "true", "yes", "on", "0", "false", "no", "off"):
+        return text.lower() in ("1", "true", "yes", "on")
     raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
 
 
@@ -268,7 +272,7 @@ def build_parser(description=""):
         if f.type is bool:
             group.add_argument(flag, type=_bool, nargs="?", const=True, default=None, metavar="BOOL", help=help_text)
         elif f.type is list:
-            kind = float if f.name == "reward_weights" else str
+            kind = float if f.name in ("reward_weights", "saw_shift") else str
             action = "extend" if f.name == "condition" else "store"
             group.add_argument(flag, type=_list_of(kind), action=action, default=None, metavar="A,B", help=help_text)
         else:
@@ -301,7 +305,8 @@ def validate(cfg):
                 "max_new_tokens", "length_limit", "logprob_chunk", "keep_checkpoints"]
     for name in positive:
         _check(getattr(cfg, name) >= 1, f"--{name.replace('_', '-')} must be >= 1, got {getattr(cfg, name)}")
-    for name in ["max_steps", "save_every", "samples_every", "weight_decay", "max_grad_norm", "beta", "tis_cap", "final_eval"]:
+    for name in ["max_steps", "save_every", "samples_every", "weight_decay", "max_grad_norm", "beta", "tis_cap", "final_eval",
+                 "logp_gap_warn", "vllm_kv_cache_gib"]:
         value = getattr(cfg, name)
         _check(math.isfinite(value) and value >= 0, f"--{name.replace('_', '-')} must be >= 0, got {value}")
     _check(cfg.group_size >= 2, f"--group-size must be at least 2 (a group needs two samples to compare), got {cfg.group_size}")
@@ -317,8 +322,6 @@ def validate(cfg):
            f"--vllm-gpu-memory-utilization must be in (0, 1), got {cfg.vllm_gpu_memory_utilization}")
     _check(cfg.reward_timeout > 0, f"--reward-timeout must be > 0, got {cfg.reward_timeout}")
     _check(1 <= cfg.arith_difficulty <= 6, f"--arith-difficulty must be in 1..6, got {cfg.arith_difficulty}")
-    _check(cfg.logp_gap_warn >= 0, f"--logp-gap-warn must be >= 0 (0: by dtype), got {cfg.logp_gap_warn}")
-    _check(cfg.vllm_kv_cache_gib >= 0, f"--vllm-kv-cache-gib must be >= 0, got {cfg.vllm_kv_cache_gib}")
     _check(cfg.tis_cap == 0 or cfg.tis_cap >= 1, f"--tis-cap must be 0 (off) or >= 1, got {cfg.tis_cap}")
     _check(bool(cfg.model.strip()), "--model must not be empty")
     _check(bool(cfg.output_dir.strip()), "--output-dir must not be empty")
@@ -328,8 +331,9 @@ def validate(cfg):
 
         _check(importlib.util.find_spec("wandb") is not None, "--wandb needs the wandb package: pip install 'minigdpo[wandb]'")
     validate_lora(cfg)
-    if cfg.reward_weights:
-        _check(all(math.isfinite(w) for w in cfg.reward_weights), f"--reward-weights must be finite, got {cfg.reward_weights}")
+    for name in ("reward_weights", "saw_shift"):
+        _check(all(map(math.isfinite, getattr(cfg, name))), f"--{name.replace('_', '-')} must be finite, got {getattr(cfg, name)}")
+    _check(0 <= cfg.gd2po_tau <= 1, f"--gd2po-tau must be in [0, 1], got {cfg.gd2po_tau}")
     return cfg
 
 

@@ -8,7 +8,8 @@ import math
 import pytest
 import torch
 
-from minigdpo.advantages import EPS, ESTIMATORS, Condition, apply_conditions, gdpo, grpo, grpo_no_std
+from minigdpo.advantages import EPS, Condition, apply_conditions, gdpo, grpo, grpo_no_std
+from minigdpo.estimators import ESTIMATORS
 from minigdpo.advantages_naive import NAIVE
 
 S2 = math.sqrt(0.5)  # Bessel std of {0, 1}

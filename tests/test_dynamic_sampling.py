@@ -14,7 +14,8 @@ import torch
 from safetensors.torch import load_file
 
 from conftest import read_jsonl, run
-from minigdpo.advantages import ESTIMATORS, apply_conditions, Condition, informative_groups
+from minigdpo.advantages import Condition, apply_conditions
+from minigdpo.estimators import ESTIMATORS, informative_groups
 from minigdpo.advantages_naive import informative_groups_naive
 
 
@@ -25,9 +26,13 @@ def groups(t):
 def test_a_constant_sum_with_varying_rewards_is_informative_for_gdpo_only():
     """(2,0,0) against (0,1,1): both sum to 2. GRPO's group step gives 0; GDPO's gives +-0.71 (each reward
     varies). NeMo-RL's leave-one-out keeps raw differences when the others agree (always, at G = 2), and
-    those sum to 0 as GRPO's do."""
+    those sum to 0 as GRPO's do. GD2PO drops both samples: each reward's advantage pulls against another's
+    and they nearly cancel (|rho| = 1/3 < tau). SAW's rewards have equal CVs here, sqrt(2) / 1 and
+    sqrt(1/2) / (1/2), but the 1e-8 under each CV leaves the weights 1e-8 apart, so SAW-GRPO's sums differ
+    by about 2e-8 and its z-score (std + 1e-6) makes that +-0.0099 (minigdpo/successors.py, saw_weights)."""
     r = groups([[[2, 0, 0], [0, 1, 1]]])
-    want = {"grpo": False, "grpo_no_std": False, "gdpo": True, "gdpo_verl": True, "gdpo_nemo": False}
+    want = {"grpo": False, "grpo_no_std": False, "gdpo": True, "gdpo_verl": True, "gdpo_nemo": False,
+            "gd2po": False, "saw_gdpo": True, "saw_grpo": True}
     assert {e: bool(informative_groups(r, None, e)) for e in ESTIMATORS} == want
 
 
@@ -143,7 +148,8 @@ def test_the_readme_count_of_groups_a_summed_filter_drops():
     from collapse import informative_table
 
     header, row = informative_table(((4, 3),)).splitlines()
-    assert header.split()[-1] == "only" and row.split() == ["4", "3", "330", "298", "298", "298", "304", "304", "304", "6"]
+    assert header.split()[-1] == "only" and row.split() == ["4", "3", "330", "298", "298", "298", "304", "304", "304", "238", "304", "298",
+                                                              "6"]
 
 
 @pytest.mark.parametrize("backend", ["vllm", "lora"])

@@ -15,7 +15,7 @@ from safetensors.torch import load_file
 
 from conftest import read_jsonl, refusal, refused, run
 from minigdpo import config, models
-from minigdpo.advantages import ESTIMATORS
+from minigdpo.estimators import ESTIMATORS
 from minigdpo.update import optimizer, policy_loss, scheduler
 from minigdpo.sampler import Completion
 

@@ -1,0 +1,253 @@
+"""Does GDPO train SmolLM2-135M better than GRPO? The same recipe over seeds, each run evaluated held out.
+
+    python examples/gdpo_vs_grpo.py                    # every run not yet done, then the summary and the plot
+    python examples/gdpo_vs_grpo.py --report           # only the summary, from the runs already done
+    python examples/gdpo_vs_grpo.py --seeds 0-1 --settings arith   # a subset (the summary covers what is done)
+
+Needs vLLM's CPU build (README, Sampling with vLLM) and the demo model (README command 1), and matplotlib
+for the plot. Each run is one shell line, kept with its results: `train.py` with the CPU demo's recipe (4
+prompts x G=8 a step, lr 2e-5, beta 0.04, fp32) cut to 8 steps, then `eval.py` on the first 128 held-out
+arith problems, greedy, on the step-8 checkpoint. (A 12-step run with its evaluation took 7.5 min here; 8
+steps bring the 24 runs of two settings x two arms x six seeds to about two hours.) A run lives in runs/study/<setting>/<estimator>/seed<N>; a run whose
+held-out summary.json exists is skipped, so the study can span several sittings. Its checkpoint is deleted
+once evaluated (2.2 GB each; --keep-checkpoints keeps them): rerunning the run's `command` rebuilds it.
+
+The settings, fixed before any result was seen, the same for every arm:
+
+    arith          the CPU demo's task: correct, integer, format (3 rewards)
+    arith_length   the same with length_ok at 22 tokens added (4 rewards). The demo's trained model writes
+                   22-25 tokens ("<think>8 - 1 = 7</think>\\n<answer>7</answer>" is 22), the base model's
+                   greedy answers 14-48 (a fifth of them within 22): to stay under the limit the model must
+                   drop reasoning, which pulls against `correct`, as the length limit does in the paper's
+                   math runs. Unconditioned (no Eq. 8), so the two rewards pull freely.
+
+Statistics (computed from the runs' entries, written with them to docs/results/gdpo_vs_grpo.json):
+- per arm, the mean over seeds and a 95% Student-t interval of each held-out metric and of each training
+  reward averaged over the last three steps;
+- the paired difference GDPO - GRPO (same seed: same prompts at every step, same held-out problems), its mean,
+  a 95% percentile-bootstrap interval over seeds (10,000 resamples, seed 0) and the seeds where GDPO wins,
+  ties and loses;
+- adv/distinct_per_group, the distinct advantage values per group averaged over the steps (G=8 at most):
+  GRPO's reward collapse, measured in the real run.
+"""
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+
+import numpy as np
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+RESULTS = os.path.join(ROOT, "docs", "results", "gdpo_vs_grpo.json")
+PLOT = os.path.join(ROOT, "docs", "results", "gdpo_vs_grpo.png")
+STEPS = 8
+HELDOUT = 128
+RECIPE = f"--preset cpu-demo --sampler vllm --max-steps {STEPS} --no-final-eval"
+SETTINGS = {  # name: (extra train.py flags, the rewards eval.py scores)
+    "arith": ("", "correct,integer,format"),
+    "arith_length": ("--rewards correct,integer,format,length_ok --length-limit 22", "correct,integer,format,length_ok"),
+}
+ARMS = ("gdpo", "grpo")
+# Two-sided 95% quantiles of Student's t by degrees of freedom (t_0.975), for intervals over a few seeds.
+T975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262, 10: 2.228,
+        11: 2.201, 12: 2.179, 13: 2.160, 14: 2.145, 15: 2.131, 16: 2.120, 17: 2.110, 18: 2.101, 19: 2.093}
+
+
+def run_dir(setting, estimator, seed):
+    return os.path.join("runs", "study", setting, estimator, f"seed{seed}")
+
+
+def command(setting, estimator, seed):
+    """The one shell line, run from the repository root, that trains the run and evaluates it held out."""
+    out = run_dir(setting, estimator, seed)
+    flags, rewards = SETTINGS[setting]
+    train = f"python train.py {RECIPE} {flags} --estimator {estimator} --seed {seed} --output-dir {out}".replace("  ", " ")
+    heldout = (f"python eval.py --model {out}/checkpoints/step_{STEPS:06d}/hf --rewards {rewards} --limit {HELDOUT} "
+               f"--sampler vllm --output {out}/heldout")
+    return f"{train} && {heldout}"
+
+
+def read_run(setting, estimator, seed):
+    """The run's entry from its directory (None while it has no held-out summary)."""
+    out = os.path.join(ROOT, run_dir(setting, estimator, seed))
+    summary = os.path.join(out, "heldout", "summary.json")
+    if not os.path.exists(summary):
+        return None
+    with open(summary) as f:
+        heldout = json.load(f)  # eval.py's figures (under "model" when it also ran a baseline)
+    with open(os.path.join(out, "metrics.jsonl")) as f:
+        steps = [json.loads(line) for line in f if line.strip()]
+    with open(os.path.join(out, "study_wall_s.txt")) as f:
+        wall = float(f.read())
+    rewards = [k for k in steps[0] if k.startswith("reward/") and k.endswith("/mean")]
+    return {"setting": setting, "estimator": estimator, "seed": seed, "command": command(setting, estimator, seed),
+            "heldout": {k: v for k, v in heldout.items() if isinstance(v, (int, float))},
+            "train_last3": {k[:-len("/mean")]: [row[k] for row in steps[-3:]] for k in rewards},
+            "curves": {k[:-len("/mean")]: [row[k] for row in steps] for k in rewards},
+            "distinct_per_group": float(np.mean([row["adv/distinct_per_group"] for row in steps])),
+            "wall_s": round(wall, 1)}
+
+
+def do_run(setting, estimator, seed, keep_checkpoints):
+    out = os.path.join(ROOT, run_dir(setting, estimator, seed))
+    if os.path.exists(os.path.join(out, "heldout", "summary.json")):
+        return
+    if os.path.exists(out):  # an interrupted run: start it over, so every run is one uninterrupted command
+        shutil.rmtree(out)
+    line = command(setting, estimator, seed)
+    print(f"[{time.strftime('%H:%M:%S')}] {line}", flush=True)
+    t0 = time.time()
+    with open(os.path.join(ROOT, "runs", "study", "log.txt"), "a") as log:
+        env = dict(os.environ, PATH=os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", ""))
+        done = subprocess.run(line, shell=True, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+    if done.returncode != 0:
+        raise SystemExit(f"error: the run exited with {done.returncode} (its output: runs/study/log.txt): {line}")
+    with open(os.path.join(out, "study_wall_s.txt"), "w") as f:
+        f.write(f"{time.time() - t0:.1f}")
+    if not keep_checkpoints:
+        shutil.rmtree(os.path.join(out, "checkpoints"))
+    print(f"  done in {time.time() - t0:.0f} s", flush=True)
+
+
+def interval(values):
+    """Mean and 95% Student-t interval over seeds."""
+    x = np.asarray(values, dtype=float)
+    mean = float(x.mean())
+    if len(x) < 2:
+        return {"mean": mean, "low": None, "high": None, "n": len(x)}
+    half = T975.get(len(x) - 1, 1.96) * float(x.std(ddof=1)) / np.sqrt(len(x))
+    return {"mean": mean, "low": mean - half, "high": mean + half, "n": len(x)}
+
+
+def paired(a, b, resamples=10_000):
+    """a - b over paired seeds: mean, 95% percentile-bootstrap interval, and wins / ties / losses of a."""
+    d = np.asarray(a, dtype=float) - np.asarray(b, dtype=float)
+    rng = np.random.default_rng(0)
+    boot = d[rng.integers(0, len(d), size=(resamples, len(d)))].mean(1)
+    return {"mean": float(d.mean()), "low": float(np.percentile(boot, 2.5)), "high": float(np.percentile(boot, 97.5)),
+            "wins": int((d > 1e-9).sum()), "ties": int((abs(d) <= 1e-9).sum()), "losses": int((d < -1e-9).sum()),
+            "n": len(d)}
+
+
+def metrics_of(run):
+    """The figures summarised: held-out rewards, accuracy and length, then the last three steps' training rewards."""
+    out = {f"heldout/{k}": v for k, v in run["heldout"].items()
+           if k.startswith("reward/") or k in ("accuracy", "length/mean", "length/truncated_frac")}
+    out.update({f"train_last3/{k}": float(np.mean(v)) for k, v in run["train_last3"].items()})
+    out["adv/distinct_per_group"] = run["distinct_per_group"]
+    return out
+
+
+def summarise(runs):
+    summary = {}
+    for setting in SETTINGS:
+        arms = {est: sorted((r for r in runs if r["setting"] == setting and r["estimator"] == est), key=lambda r: r["seed"])
+                for est in ARMS}
+        if not all(arms.values()):
+            continue
+        keys = list(metrics_of(arms[ARMS[0]][0]))
+        entry = {"per_arm": {est: {k: interval([metrics_of(r)[k] for r in rs]) for k in keys} for est, rs in arms.items()}}
+        by_seed = {est: {r["seed"]: metrics_of(r) for r in rs} for est, rs in arms.items()}
+        seeds = sorted(set(by_seed["gdpo"]) & set(by_seed["grpo"]))
+        entry["paired_gdpo_minus_grpo"] = {
+            k: paired([by_seed["gdpo"][s][k] for s in seeds], [by_seed["grpo"][s][k] for s in seeds]) for k in keys}
+        entry["seeds"] = seeds
+        entry["wall_s"] = sum(r["wall_s"] for rs in arms.values() for r in rs)
+        summary[setting] = entry
+    summary["total_wall_s"] = sum(r["wall_s"] for r in runs)
+    summary["intervals"] = ("per arm: mean and 95% Student-t interval over seeds; paired: mean of GDPO - GRPO over "
+                            "seeds, 95% percentile bootstrap over seeds (10,000 resamples, seed 0)")
+    return summary
+
+
+def fmt(iv):
+    if iv.get("low") is None:
+        return f"{iv['mean']:.3f}"
+    return f"{iv['mean']:.3f} [{iv['low']:.3f}, {iv['high']:.3f}]"
+
+
+def report(summary):
+    for setting, entry in summary.items():
+        if not isinstance(entry, dict) or "per_arm" not in entry:
+            continue
+        print(f"\n{setting}: {len(entry['seeds'])} paired seeds, {entry['wall_s'] / 60:.0f} min of runs")
+        print(f"{'metric':<34} {'gdpo':>24} {'grpo':>24} {'gdpo - grpo':>26} {'W/T/L':>7}")
+        for k, d in entry["paired_gdpo_minus_grpo"].items():
+            diff = f"{d['mean']:+.3f} [{d['low']:+.3f}, {d['high']:+.3f}]"
+            print(f"{k:<34} {fmt(entry['per_arm']['gdpo'][k]):>24} {fmt(entry['per_arm']['grpo'][k]):>24} "
+                  f"{diff:>26} {d['wins']}/{d['ties']}/{d['losses']:<3}")
+    print(f"\n{summary['intervals']}; total {summary['total_wall_s'] / 60:.0f} min of runs")
+
+
+def plot(runs, path):
+    """Training reward curves: one row per setting, one panel per reward, mean and 95% t band over seeds per arm."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    settings = [s for s in SETTINGS if any(r["setting"] == s for r in runs)]
+    width = max(len(next(r for r in runs if r["setting"] == s)["curves"]) for s in settings)
+    fig, axes = plt.subplots(len(settings), width, figsize=(3.2 * width, 2.8 * len(settings)), squeeze=False)
+    for row, setting in zip(axes, settings):
+        rewards = list(next(r for r in runs if r["setting"] == setting)["curves"])
+        for ax, reward in zip(row, rewards):
+            for est, colour in zip(ARMS, ("tab:blue", "tab:orange")):
+                curves = np.array([r["curves"][reward] for r in runs if r["setting"] == setting and r["estimator"] == est])
+                if not len(curves):
+                    continue
+                steps = np.arange(1, curves.shape[1] + 1)
+                bands = [interval(curves[:, t]) for t in range(curves.shape[1])]
+                mean = np.array([b["mean"] for b in bands])
+                ax.plot(steps, mean, color=colour, label=f"{est} ({len(curves)} seeds)")
+                if len(curves) > 1:
+                    ax.fill_between(steps, [b["low"] for b in bands], [b["high"] for b in bands], color=colour, alpha=0.2)
+            ax.set_title(f"{setting}: {reward.split('/', 1)[1]}", fontsize=9)
+            ax.set_xlabel("step")
+            ax.set_ylim(-0.05, 1.05)
+            ax.legend(fontsize=7)
+        for ax in row[len(rewards):]:
+            ax.axis("off")
+    fig.suptitle("training rewards per step, mean and 95% interval over seeds", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    print(f"wrote {os.path.relpath(path, ROOT)}")
+
+
+def parse_seeds(text):
+    lo, _, hi = text.partition("-")
+    return list(range(int(lo), int(hi or lo) + 1))
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--seeds", default="0-5", help="seeds, as N or N-M (default 0-5)")
+    p.add_argument("--settings", default=",".join(SETTINGS), help="comma-separated, of: " + ", ".join(SETTINGS))
+    p.add_argument("--report", action="store_true", help="only summarise the runs already done")
+    p.add_argument("--keep-checkpoints", action="store_true", help="keep each run's checkpoint after its evaluation")
+    args = p.parse_args()
+    settings = args.settings.split(",")
+    unknown = set(settings) - set(SETTINGS)
+    if unknown:
+        raise SystemExit(f"error: --settings: unknown {', '.join(sorted(unknown))} (choose from {', '.join(SETTINGS)})")
+    os.makedirs(os.path.join(ROOT, "runs", "study"), exist_ok=True)
+    if not args.report:
+        for seed in parse_seeds(args.seeds):  # seed-major: a study cut short still holds paired seeds
+            for setting in settings:
+                for est in ARMS:
+                    do_run(setting, est, seed, args.keep_checkpoints)
+    runs = [r for s in SETTINGS for e in ARMS for seed in range(100) if (r := read_run(s, e, seed))]
+    summary = summarise(runs)
+    os.makedirs(os.path.dirname(RESULTS), exist_ok=True)
+    with open(RESULTS, "w") as f:
+        json.dump({"runs": runs, "summary": summary}, f, indent=1)
+    print(f"wrote {os.path.relpath(RESULTS, ROOT)} ({len(runs)} runs)")
+    report(summary)
+    if runs:
+        plot(runs, PLOT)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
