@@ -1,6 +1,6 @@
 """A CPU experiment where GDPO and GRPO diverge: three rewards of unequal difficulty.
 
-    python examples/toy_multireward.py                 # all settings, 8 seeds each, about 20 s on 2 cores
+    python examples/toy_multireward.py                 # all settings, 8 seeds each, about 80 s on 2 cores
     python examples/toy_multireward.py --plot toy.png  # and the curves (needs matplotlib)
     python examples/toy_multireward.py --dynamic-sampling   # each setting with and without dynamic sampling
 
