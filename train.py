@@ -47,6 +47,7 @@ from minigdpo.rollout import sample_groups, timed
 from minigdpo.update import fill_logprobs, micro_batches, model_tokens, optimizer, scheduler, step_metrics, update
 from minigdpo.vllm_sampler import SamplerUnavailable, make_sampler, resolve_kind
 from rewards import PromptOrder, RewardScorer, load_task
+from rewards.reward_model import RewardModelError
 
 
 def run_training(argv=None):
@@ -75,6 +76,7 @@ def run_training(argv=None):
     # The trained policy, its frozen reference (with LoRA: the policy, adapters off), the sampler's copy.
     tokenizer = models.load_tokenizer(path)
     dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}.get(cfg.dtype, torch.bfloat16 if device.type == "cuda" else torch.float32)
+    scorer.place_models(device, dtype, cfg.reward_model_batch_size, cfg.reward_model_placement)  # before the policy
     model = policy.build(path, device, dtype, cfg.grad_checkpointing, lora=adapters)
     ref = policy.build(path, device, dtype, frozen=True, offload=cfg.ref_offload) if cfg.beta > 0 and not adapters else None
     opt = optimizer(model, cfg.lr, cfg.weight_decay)  # the parameters that require grad: with LoRA, the adapters
@@ -245,8 +247,8 @@ def reward_metrics(rewards, names, counts_per_rank):
         valid = flat[:, k][~torch.isnan(flat[:, k])]
         out[f"reward/{name}/mean"] = valid.mean().item() if valid.numel() else float("nan")
         out[f"reward/{name}/std"] = valid.std().item() if valid.numel() > 1 else 0.0
-        for kind in RewardScorer.KINDS:
-            out[f"reward/{name}/{kind}"] = sum(counts[name][kind] for counts in counts_per_rank)
+        for key, value in RewardScorer.merge(counts_per_rank)[name].items():  # failures; a reward model's truncations
+            out[f"reward/{name}/{key}"] = value                                 # and memory (model_gib, per rank)
     return out
 
 
@@ -342,6 +344,6 @@ if __name__ == "__main__":
     transformers.utils.logging.disable_progress_bar()
     try:
         main()
-    except (config.ConfigError, DataError, SamplerUnavailable) as e:
+    except (config.ConfigError, DataError, SamplerUnavailable, RewardModelError) as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)

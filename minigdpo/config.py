@@ -36,7 +36,7 @@ class Config:
     data: str = ""
     """Training data: a local .jsonl/.json/.parquet file or a hub dataset name. Empty: the task's default."""
     rewards: list = field(default_factory=list)
-    """Reward functions, comma-separated registry names or module:function. Empty: the task's default."""
+    """Rewards, comma-separated: registry names, module:function, or reward models model:PATH[@LABEL]. Empty: the task's."""
     reward_weights: list = field(default_factory=list)
     """One weight per reward, comma-separated (paper Eq. 7). Empty: all 1."""
     condition: list = field(default_factory=list)
@@ -165,10 +165,8 @@ class Config:
     logprob_chunk: int = 1024
     """Tokens per chunk of the log-softmax, so [B, T, V] float32 logits never exist at once."""
     reduce_grads: str = "micro_batch"
-    """When FSDP2 reduces gradients over ranks. micro_batch: a reduce-scatter within the shard group after each
-    micro-batch, so each rank keeps only its shard of the fp32 gradients; with HSDP the all-reduce across nodes
-    still runs once a step. step: one reduce-scatter after the last micro-batch, fewer collectives, but until
-    then each rank holds the whole fp32 gradient (4 bytes per trainable parameter: 28 GB at 7B)."""
+    """When FSDP2 reduces gradients: micro_batch (a reduce-scatter after each micro-batch: a rank keeps only its shard
+    of the fp32 gradients) or step (once, fewer collectives, but the whole fp32 gradient per rank: 28 GB at 7B)."""
     sampler: str = "auto"
     """Rollout backend: hf, vllm, or auto (vllm when it is importable and CUDA is present). On a CPU, vllm needs
     vLLM's CPU build (README, Sampling with vLLM) and is used only when asked for."""
@@ -177,6 +175,10 @@ class Config:
     vllm_kv_cache_gib: float = 0.0
     """vLLM's KV cache per rank in GiB, in place of --vllm-gpu-memory-utilization's share. 0: that share on a
     GPU, 1 GiB on the CPU (vLLM's CPU build would take a share of the whole RAM)."""
+    reward_model_placement: str = "auto"
+    """Reward models' weights: resident, offload (CPU between scorings), shard (FSDP2), or auto (shard on several ranks)."""
+    reward_model_batch_size: int = 8
+    """Conversations a reward model scores per forward pass."""
     tis_cap: float = 0.0
     """Truncated importance sampling cap for the sampler/trainer mismatch; 0 disables it."""
     logp_gap_warn: float = 0.0
@@ -185,17 +187,14 @@ class Config:
 
 
 PRESETS = {
-    # The paper's released GSM8K recipe: 8 GPUs x 16 completions per device x 4 accumulation
-    # steps = 512 completions (32 prompts x G=16) per optimizer step.
+    # The paper's released GSM8K recipe: 512 completions (32 prompts x G=16) a step, on 8 GPUs x 16 x 4 accumulations.
     "paper-gsm8k": dict(),
     # One 80 GB A100: G=8, 256 completions per step, micro-batches that fit with vLLM colocated.
     "a100": dict(group_size=8, batch_size=256, micro_batch_size=8, grad_checkpointing=True, vllm_gpu_memory_utilization=0.35),
-    # Qwen2.5-7B-Instruct on one 80 GB A100: frozen bf16 base, rank-32 adapters, no reference copy (README, LoRA).
-    # LoRA usually wants a learning rate about 10x full fine-tuning's; 5e-5 is a starting point, not tuned here.
+    # Qwen2.5-7B on one 80 GB A100: frozen bf16 base, rank-32 adapters, no reference copy; lr 5e-5 untuned (README, LoRA).
     "a100-lora": dict(model="Qwen/Qwen2.5-7B-Instruct", group_size=8, batch_size=256, micro_batch_size=8,
                       grad_checkpointing=True, lora_rank=32, lora_alpha=64.0, lr=5e-5, vllm_gpu_memory_utilization=0.55),
-    # Offline, 2 CPU cores, about 7 minutes: SmolLM2-135M-Instruct learns simple arithmetic, then is
-    # compared with its base model on 64 held-out problems (what fits in about 2 minutes on 2 cores).
+    # Offline, 2 CPU cores, about 7 minutes: SmolLM2-135M learns arithmetic, then meets its base model on 64 problems.
     "cpu-demo": dict(model="HuggingFaceTB/SmolLM2-135M-Instruct", task="arith", group_size=8, batch_size=32,
                      lr=2e-5, warmup_ratio=0.0, lr_schedule="constant", max_prompt_len=256, max_new_tokens=48, max_steps=12,
                      temperature=0.7, arith_difficulty=1, save_every=0, samples_every=4, output_dir="runs/cpu-demo",
@@ -210,7 +209,8 @@ CHOICES = {"estimator": tuple(ESTIMATORS), "task": tuple(TASKS), "loss_agg": AGG
            "preset": tuple(PRESETS), "lr_schedule": ("cosine", "constant"), "sampler": ("auto", "hf", "vllm"),
            "dtype": ("auto", "bf16", "fp32"), "length_unit": ("tokens", "words"), "answer_format": ("answer", "boxed"),
            "on_save_error": ("stop", "continue"), "sharding": ("auto", "fsdp", "hsdp"),
-           "reduce_grads": ("step", "micro_batch"), "gd2po_mode": ("hard", "snr")}
+           "reduce_grads": ("step", "micro_batch"), "gd2po_mode": ("hard", "snr"),
+           "reward_model_placement": ("auto", "resident", "offload", "shard")}
 
 
 def field_docs(cls=Config):
@@ -302,7 +302,7 @@ def validate(cfg):
     for name, choices in CHOICES.items():
         _check(getattr(cfg, name) in choices, f"--{name.replace('_', '-')} {getattr(cfg, name)!r} is not one of {', '.join(choices)}")
     positive = ["group_size", "batch_size", "micro_batch_size", "num_iterations", "max_sample_rounds", "max_prompt_len",
-                "max_new_tokens", "length_limit", "logprob_chunk", "keep_checkpoints"]
+                "max_new_tokens", "length_limit", "logprob_chunk", "keep_checkpoints", "reward_model_batch_size"]
     for name in positive:
         _check(getattr(cfg, name) >= 1, f"--{name.replace('_', '-')} must be >= 1, got {getattr(cfg, name)}")
     for name in ["max_steps", "save_every", "samples_every", "weight_decay", "max_grad_norm", "beta", "tis_cap", "final_eval",

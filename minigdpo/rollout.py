@@ -104,8 +104,7 @@ def sample_groups(step, cursor, order, task, tokenizer, sampler, scorer, cfg, de
              "sampling/samples_per_trained": sampled / max(K, 1), "sampling/skipped_update": int(K == 0)}
     pick = lambda key: torch.stack([getattr(rounds[n], key)[g] for n, g in chosen]) if K else getattr(rounds[0], key)[:0]
     per_rank = dist.all_gather_object([r.counts for r in rounds])
-    counts = [{name: {kind: sum(c[name][kind] for c in rank_rounds) for kind in RewardScorer.KINDS}
-               for name in rank_rounds[0]} for rank_rounds in per_rank]
+    counts = [RewardScorer.merge(rank_rounds) for rank_rounds in per_rank]
     return Sampled([local[k] for k in chosen[rank * K // world:(rank + 1) * K // world]], pick("rewards"), pick("lengths"),
                    torch.cat([r.rewards for r in rounds]).cpu(), torch.cat([r.lengths for r in rounds]),
                    torch.cat([r.truncated for r in rounds]), counts, stats), cursor

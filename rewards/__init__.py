@@ -36,6 +36,7 @@ from typing import Callable, Optional
 import torch
 
 from minigdpo.data import DataError
+from rewards import reward_model
 
 TASKS = {"gsm8k": "rewards.gsm8k", "arith": "rewards.arith", "toolcall": "rewards.toolcall",
          "math_length": "rewards.math_length", "code": "rewards.code"}
@@ -124,9 +125,13 @@ def register(name):
 
 
 def get(name):
-    """The Reward registered as `name`, or a user's function given as `module.path:function`."""
+    """The Reward registered as `name`, a user's function given as `module.path:function`, or a reward model
+    given as `model:PATH[@LABEL]` (rewards/reward_model.py)."""
     if name in _REGISTRY:
         return _REGISTRY[name]
+    if name.startswith("model:"):
+        scorer = reward_model.get(name)
+        return Reward(name, scorer, scorer.prepare)
     if ":" not in name and name not in BUILTIN:
         raise ValueError(f"unknown reward {name!r}; registered: {', '.join(names())}")
     module, _, attr = BUILTIN.get(name, name).partition(":")
@@ -198,6 +203,7 @@ class RewardScorer:
     """
 
     KINDS = ("errors", "timeouts", "invalid", "none")
+    SUMMED = KINDS + ("truncated", "model_seconds")  # a reward model adds these and "model_gib" (reward_model.py)
 
     def __init__(self, reward_names, timeout=10.0, max_timeouts=3):
         self.rewards = [get(n) for n in reward_names]
@@ -205,6 +211,26 @@ class RewardScorer:
         self.timeout = timeout
         self.max_timeouts = max_timeouts
         self._warned = set()
+
+    def place_models(self, device, dtype, batch_size=8, placement="auto"):  # train.py; eval.py places on first use
+        """Load the reward models' weights on the trainer's device, in its dtype (before any is needed)."""
+        for reward in self.rewards:
+            if isinstance(reward.fn, reward_model.ModelReward):
+                reward.fn.place(device, dtype, batch_size, placement)
+
+    @classmethod
+    def merge(cls, parts):
+        """Stats of several batches or ranks as one: counts add up; a reward model's memory is the largest."""
+        out = {}
+        for part in parts:
+            for name, s in part.items():
+                merged = out.setdefault(name, dict.fromkeys(cls.KINDS, 0))
+                for key, value in s.items():
+                    if key in cls.SUMMED:
+                        merged[key] = merged.get(key, 0) + value
+                    elif key == "model_gib":
+                        merged[key] = max(merged.get(key, 0.0), value)
+        return out
 
     def _warn(self, name, kind, detail):
         if (name, kind) not in self._warned:
@@ -249,6 +275,9 @@ class RewardScorer:
                 if reward.prepare is not None:
                     try:
                         reward.prepare(completions, examples)
+                        s.update(getattr(reward.fn, "stats", {}))  # a reward model's truncations and memory
+                    except reward_model.RewardModelError:  # out of memory: the run cannot go on as configured
+                        raise
                     except Exception as e:  # the per-sample calls still run without the batch cache
                         self._warn(reward.name, "prepare", f"batch hook raised {type(e).__name__}: {e}")
                 for i in range(N):

@@ -1,0 +1,204 @@
+"""Reward models as rewards (rewards/reward_model.py), with tiny random sequence-classification models built here.
+
+Two reward models: a Llama with the policy's byte-level tokenizer and ChatML template, and a GPT-2 with a
+tokenizer of its own (other special tokens, no pad token) and another chat template. Every score is checked
+against a plain transformers forward of the same conversation, one at a time.
+
+Run: pytest tests/test_reward_model.py
+"""
+
+import math
+import os
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from conftest import read_jsonl, refusal, run
+from minigdpo import models
+from rewards import RewardScorer, reward_model
+
+OTHER_TEMPLATE = "{% for m in messages %}{{ '### ' + m['role'] + ': ' + m['content'] + '\n' }}{% endfor %}{{ '<end>' }}"
+MESSAGES = [[{"role": "system", "content": "Answer briefly."}, {"role": "user", "content": "What is 2 + 3?"}],
+            [{"role": "user", "content": "Name a colour."}]]
+COMPLETIONS = ["<think>2 + 3 = 5</think>\n<answer>5</answer>", "5", "", "blue " * 30, "red", "a much longer answer " * 4]
+
+
+def build_llama(path, num_labels=1, id2label=None, problem_type=None):
+    from transformers import LlamaConfig, LlamaForSequenceClassification
+
+    tok = models.tiny_tokenizer()
+    config = LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, max_position_embeddings=4096, pad_token_id=tok.pad_token_id,
+                         eos_token_id=tok.eos_token_id, num_labels=num_labels, problem_type=problem_type,
+                         **({"id2label": id2label, "label2id": {v: k for k, v in id2label.items()}} if id2label else {}))
+    torch.manual_seed(1)
+    LlamaForSequenceClassification(config).save_pretrained(path)
+    tok.save_pretrained(path)
+    return str(path)
+
+
+def build_gpt2(path):
+    """Another architecture and tokenizer: GPT-2 layers, a tokenizer with <end> as EOS, no pad token."""
+    from tokenizers import Tokenizer, decoders, models as tok_models, pre_tokenizers
+    from transformers import GPT2Config, GPT2ForSequenceClassification, PreTrainedTokenizerFast
+
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    tok = Tokenizer(tok_models.BPE(vocab={c: i for i, c in enumerate(alphabet)}, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<end>")
+    fast.chat_template = OTHER_TEMPLATE
+    config = GPT2Config(vocab_size=len(fast), n_embd=32, n_layer=2, n_head=2, n_positions=4096, num_labels=1,
+                        eos_token_id=fast.eos_token_id)
+    torch.manual_seed(2)
+    GPT2ForSequenceClassification(config).save_pretrained(path)
+    fast.save_pretrained(path)
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def rms(tmp_path_factory):
+    root = tmp_path_factory.mktemp("rms")
+    return {"llama": build_llama(root / "llama"), "gpt2": build_gpt2(root / "gpt2"),
+            "guard": build_llama(root / "guard", 3, {0: "safe", 1: "unsafe", 2: "other"}),
+            "multi": build_llama(root / "multi", 2, {0: "helpful", 1: "harmless"}, "multi_label_classification")}
+
+
+def one_at_a_time(path, messages, completion):
+    """The reference: the model's own template and a forward of that one conversation, no padding."""
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(path)
+    model = AutoModelForSequenceClassification.from_pretrained(path).eval()
+    if model.config.pad_token_id is None:  # transformers needs one to find the last token; it is never present here
+        model.config.pad_token_id = tok.eos_token_id
+    text = tok.apply_chat_template(messages + [{"role": "assistant", "content": completion}], tokenize=False)
+    ids = tok(text, add_special_tokens=False, return_tensors="pt").input_ids
+    with torch.no_grad():
+        return model(input_ids=ids).logits[0]                                   # (labels,)
+
+
+def fresh(spec):
+    reward_model._LOADED.pop(spec, None)
+    return reward_model.get(spec)
+
+
+def pairs():
+    return [(c, MESSAGES[i % 2]) for i, c in enumerate(COMPLETIONS)]
+
+
+@pytest.mark.parametrize("name", ["llama", "gpt2"])
+@pytest.mark.parametrize("batch_size", [1, 4])
+def test_scores_equal_a_plain_forward_one_at_a_time(rms, name, batch_size):
+    rm = fresh(f"model:{rms[name]}")
+    rm.place(batch_size=batch_size)
+    completions, messages = zip(*pairs())
+    examples = [{"messages": m} for m in messages]
+    rm.prepare(list(completions), examples)
+    for c, ex in zip(completions, examples):
+        assert rm(c, ex) == pytest.approx(one_at_a_time(rms[name], ex["messages"], c)[0].item(), abs=1e-5)
+    assert rm.stats["truncated"] == 0 and rm.stats["model_gib"] > 0
+
+
+def test_a_label_of_a_classifier(rms):
+    c, m = "fine", MESSAGES[1]
+    logits = one_at_a_time(rms["guard"], m, c)
+    for spec, want in [("@safe", logits.softmax(-1)[0]), ("@unsafe:logit", logits[1]), ("@2", logits.softmax(-1)[2])]:
+        rm, ex = fresh(f"model:{rms['guard']}{spec}"), {"messages": m}
+        rm.prepare([c], [ex])
+        assert rm(c, ex) == pytest.approx(want.item(), abs=1e-6), spec
+    rm, ex = fresh(f"model:{rms['multi']}@harmless"), {"messages": m}      # multi-label: sigmoid per label
+    rm.prepare([c], [ex])
+    assert rm(c, ex) == pytest.approx(one_at_a_time(rms["multi"], m, c).sigmoid()[1].item(), abs=1e-6)
+
+
+def test_bad_specs_are_refused_in_one_line(rms, tmp_path):
+    cases = [(f"model:{rms['guard']}", "has 3 labels (safe, unsafe, other): pick one with model:PATH@LABEL"),
+             (f"model:{rms['guard']}@toxic", "has no label 'toxic'; its labels: safe, unsafe, other"),
+             (f"model:{models.resolve_model('tiny-random')}", "not a sequence-classification model"),
+             (f"model:{tmp_path}/missing", "cannot load"),
+             (f"model:{rms['llama']}@x:prob", "expected model:PATH, model:PATH@LABEL or model:PATH@LABEL:logit")]
+    for spec, message in cases:
+        with pytest.raises(reward_model.RewardModelError, match=message.replace("(", r"\(").replace(")", r"\)")):
+            fresh(spec)
+    # through train.py: refused before any model loads, as one line
+    assert "not a sequence-classification model" in refusal(
+        ["--preset", "smoke", "--rewards", f"format,model:{models.resolve_model('tiny-random')}",
+         "--output-dir", str(tmp_path / "run")])
+
+
+def test_long_conversations_keep_their_end_and_are_counted(rms):
+    rm = fresh(f"model:{rms['llama']}")
+    rm.max_len = 40
+    ex, long, short = {"messages": MESSAGES[1]}, "blue " * 30, "red"
+    rm.prepare([long, short], [ex, ex])
+    assert rm.stats["truncated"] == 1
+    ids, cut = rm.encode(ex["messages"], long)
+    assert cut and len(ids) == 40
+    with torch.no_grad():
+        want = rm.model(input_ids=torch.tensor([ids])).logits[0, 0].item()
+    assert rm(long, ex) == pytest.approx(want, abs=1e-5)
+
+
+def test_a_non_finite_score_is_none_and_counted(rms):
+    spec = f"model:{rms['llama']}"
+    rm = fresh(spec)
+    rm.place()
+    with torch.no_grad():
+        rm.model.score.weight.fill_(math.nan)
+    out, stats = RewardScorer(["format", spec])(COMPLETIONS[:2], [{"messages": MESSAGES[0]}] * 2)
+    assert torch.isnan(out[:, 1]).all() and stats[spec]["invalid"] == 2
+    reward_model._LOADED.pop(spec)
+
+
+def test_out_of_memory_names_the_settings(rms, monkeypatch):
+    """A CPU cannot run out of memory on cue: the forward raises torch.OutOfMemoryError as CUDA's allocator does
+    (c10/cuda/CUDACachingAllocator.cpp raises it as torch.OutOfMemoryError, a RuntimeError)."""
+    spec = f"model:{rms['llama']}"
+    rm = fresh(spec)
+    rm.place(batch_size=4)
+
+    def oom(**kwargs):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    monkeypatch.setattr(rm, "model", oom)
+    with pytest.raises(reward_model.RewardModelError, match="lower --reward-model-batch-size .now 4.|placement offload"):
+        RewardScorer([spec])(COMPLETIONS[:2], [{"messages": MESSAGES[0]}] * 2)
+    reward_model._LOADED.pop(spec)
+
+
+def test_offload_keeps_it_off_the_device_between_scorings(rms):
+    rm = fresh(f"model:{rms['llama']}")
+    rm.place(placement="offload")
+    ex = {"messages": MESSAGES[0]}
+    rm.prepare(["5"], [ex])
+    assert rm.stats["model_gib"] == 0 and next(rm.model.parameters()).device.type == "cpu"
+    assert rm("5", ex) == pytest.approx(one_at_a_time(rms["llama"], MESSAGES[0], "5")[0].item(), abs=1e-5)
+
+
+SMOKE = ["train.py", "--preset", "smoke", "--max-steps", "2", "--save-every", "2"]
+
+
+@pytest.mark.parametrize("nproc,backend", [(1, "hf"), (1, "lora"), (1, "vllm"), pytest.param(2, "hf", marks=pytest.mark.slow)])
+def test_rule_rewards_and_two_reward_models_train(rms, tmp_path, nproc, backend):
+    """correct, format and two reward models under GDPO: every reward logged, the models never checkpointed.
+    With the HF sampler, LoRA, the vLLM sampler (the fake engine, tests/vllm_train.py); on 2 gloo ranks the
+    reward models are sharded with FSDP2 (placement auto)."""
+    out = str(tmp_path / "run")
+    rewards = f"correct,format,model:{rms['gpt2']},model:{rms['guard']}@safe"  # GPT-2: its own tokenizer and template
+    flags = {"hf": [], "lora": ["--lora-rank", "4"], "vllm": ["--sampler", "vllm"]}[backend]
+    script = ["tests/vllm_train.py"] if backend == "vllm" else SMOKE[:1]
+    run(script + SMOKE[1:] + ["--rewards", rewards, "--output-dir", out] + flags, nproc=nproc)
+    rows = read_jsonl(os.path.join(out, "metrics.jsonl"))
+    assert [r["step"] for r in rows] == [1, 2]
+    for name in ("correct", "format", f"model:{rms['gpt2']}", f"model:{rms['guard']}@safe"):
+        assert math.isfinite(rows[-1][f"reward/{name}/mean"]), name
+    rm = f"reward/model:{rms['gpt2']}"
+    assert rows[-1][f"{rm}/std"] > 0 and rows[-1][f"{rm}/truncated"] == 0 and rows[-1][f"{rm}/model_seconds"] > 0
+    whole = sum(t.numel() * 4 for t in load_file(os.path.join(rms["gpt2"], "model.safetensors")).values()) / 2**30
+    assert rows[-1][f"{rm}/model_gib"] == pytest.approx(whole / nproc, rel=0.02)  # 2 ranks: sharded, half each
+    assert rows[-1]["grad_norm"] > 0
+    step = os.path.join(out, "checkpoints", "step_000002")
+    files = [os.path.join(d, f) for d, _, fs in os.walk(step) for f in fs]
+    assert files and not any(b"score.weight" in open(f, "rb").read() for f in files)  # the reward models' head
