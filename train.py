@@ -76,7 +76,7 @@ def run_training(argv=None):
     # The trained policy, its frozen reference (with LoRA: the policy, adapters off), the sampler's copy.
     tokenizer = models.load_tokenizer(path)
     dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}.get(cfg.dtype, torch.bfloat16 if device.type == "cuda" else torch.float32)
-    scorer.place_models(device, dtype, cfg.reward_model_batch_size, cfg.reward_model_placement)  # before the policy
+    scorer.place_models(device, dtype, cfg.reward_model_batch_size, cfg.reward_model_placement, policy.build_classifier)
     model = policy.build(path, device, dtype, cfg.grad_checkpointing, lora=adapters)
     ref = policy.build(path, device, dtype, frozen=True, offload=cfg.ref_offload) if cfg.beta > 0 and not adapters else None
     opt = optimizer(model, cfg.lr, cfg.weight_decay)  # the parameters that require grad: with LoRA, the adapters
@@ -225,7 +225,7 @@ def rewards_setup(cfg, task):
     try:
         if len(set(names)) != len(names):
             raise ValueError(f"--rewards lists a reward twice: {names}")
-        conditions = [Condition.parse(c) for c in cfg.condition]
+        conditions = [Condition.parse(c, names) for c in cfg.condition]
         apply_conditions(torch.zeros(1, 1, len(names)), names, conditions)  # checks the names
         for flag, values in (("--reward-weights", cfg.reward_weights), ("--saw-shift", cfg.saw_shift)):
             if values and len(values) != len(names):

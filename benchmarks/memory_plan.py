@@ -2,6 +2,7 @@
 
     python benchmarks/memory_plan.py                 # --preset a100 (Qwen2.5-1.5B) and --preset a100-lora (Qwen2.5-7B)
     python benchmarks/memory_plan.py --preset a100-lora --lora-rank 64
+    python benchmarks/memory_plan.py --preset a100 --reward-model resident   # with one reward model of the policy's size
 
 Nothing is downloaded and no GPU is needed: the model is built on the meta device from its
 config (copied below from the hub's config.json), and with LoRA, minigdpo/lora.py injects peft's
@@ -49,8 +50,9 @@ def activations(numbers, seqs, tokens, chunk):
     return L * n * H * 2 + 2 * n * (8 * H + 3 * I) * 2 + 2 * chunk * V * 4
 
 
-def plan(cfg):
-    """[(what, bytes, when resident)] and a summary for a config (a preset plus flags)."""
+def plan(cfg, reward_model="", gpus=8):
+    """[(what, bytes, when resident)] and a summary for a config (a preset plus flags); reward_model: "" for none,
+    or where one reward model of the policy's shape lives (resident, offload, or shard over `gpus` GPUs)."""
     numbers = MODELS[cfg.model]
     lm = meta_model(numbers)
     if cfg.lora_rank:
@@ -81,9 +83,20 @@ def plan(cfg):
               "log-softmax chunk", activations(numbers, cfg.micro_batch_size, T, cfg.logprob_chunk), "update only"),
              (f"vLLM: weights {2 * N / GB:.1f} GB, KV cache and workspace in the rest of "
               f"{cfg.vllm_gpu_memory_utilization} x {GPU_GB} GB", vllm, "sampling only")]
+    scoring = 0
+    if reward_model:  # a sequence classifier of the policy's shape: its layers and embeddings, a (1, H) head
+        rm = 2 * (N - (0 if numbers["tie_word_embeddings"] else numbers["vocab_size"] * numbers["hidden_size"]))
+        rows += [{"resident": ("reward model, bf16, resident", rm, "always"),
+                  "offload": ("reward model, bf16, offloaded", rm, "scoring only (in CPU RAM between scorings)"),
+                  "shard": (f"reward model, bf16, sharded over {gpus} GPUs", rm / gpus, "always")}[reward_model],
+                 (f"reward model's activations: {cfg.reward_model_batch_size} x {T} tokens, no grad, one layer at a time",
+                  cfg.reward_model_batch_size * T * (4 * numbers["hidden_size"] + 3 * numbers["intermediate_size"]) * 2,
+                  "scoring only")]
+        scoring = sum(b for _, b, when in rows if when.startswith("scoring only"))
     always = sum(b for _, b, when in rows if when.startswith("always"))
     update = always + sum(b for what, b, when in rows if when == "update only")
-    summary = dict(parameters=N, adapters=n, always=always, sampling=always + vllm, update=update,
+    # The scorer runs right after sampling, before vLLM sleeps: its peak adds to sampling's.
+    summary = dict(parameters=N, adapters=n, always=always, sampling=always + vllm + scoring, update=update,
                    kv_per_token=kv_per_token, kv_batch=cfg.batch_size * T * kv_per_token,
                    kv_room=vllm - 2 * N, full_ft=16 * N + 2 * N)
     return rows, summary
@@ -93,17 +106,19 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--preset", action="append", choices=["a100", "a100-lora"])
     p.add_argument("--lora-rank", type=int)
+    p.add_argument("--reward-model", choices=["resident", "offload", "shard"], default="",
+                   help="add one reward model of the policy's shape, placed so (shard: over 8 GPUs)")
     args = p.parse_args(argv)
     for preset in args.preset or ["a100", "a100-lora"]:
         flags = ["--preset", preset] + (["--lora-rank", str(args.lora_rank)] if args.lora_rank and preset == "a100-lora" else [])
         cfg = config.parse_args(flags)
-        rows, s = plan(cfg)
+        rows, s = plan(cfg, args.reward_model)
         print(f"\n{cfg.model}, --preset {preset}: {s['parameters'] / 1e9:.2f} B parameters"
               + (f", {s['adapters'] / 1e6:.1f} M trainable ({100 * s['adapters'] / s['parameters']:.2f}%)" if s["adapters"] else ""))
         print("| what | size | resident |\n|---|---|---|")
         for what, size, when in rows:
             print(f"| {what} | {size / GB:.1f} GB | {when} |")
-        print(f"peak while sampling: {s['sampling'] / GB:.1f} GB; during the update: {s['update'] / GB:.1f} GB "
+        print(f"peak while sampling{' and scoring' if args.reward_model else ''}: {s['sampling'] / GB:.1f} GB; during the update: {s['update'] / GB:.1f} GB "
               f"(of which {s['always'] / GB:.1f} GB always resident)")
         print(f"KV cache: {s['kv_per_token'] / 1e3:.1f} KB per token; {cfg.batch_size} sequences of "
               f"{cfg.max_prompt_len + cfg.max_new_tokens} tokens need {s['kv_batch'] / GB:.1f} GB; vLLM's share has "

@@ -265,7 +265,7 @@ def distinct_per_group(advantages, decimals=4):
 # is met, because lowering the easy reward's weight alone does not stop it dominating.
 
 _OPS = {">=": operator.ge, ">": operator.gt, "<=": operator.le, "<": operator.lt, "==": operator.eq}
-_CONDITION = re.compile(r"^\s*([\w.-]+)\s*:\s*([\w.-]+)\s*(>=|<=|==|>|<)\s*([-+0-9.eE]+)\s*$")
+_CONDITION = re.compile(r"^\s*([^<>=]+?)\s*(>=|<=|==|>|<)\s*([-+0-9.eE]+)\s*$")
 
 
 @dataclass(frozen=True)
@@ -278,11 +278,15 @@ class Condition:
     threshold: float
 
     @classmethod
-    def parse(cls, spec):
+    def parse(cls, spec, names=()):
+        """`names`, the run's rewards, tell TARGET from SOURCE where a name holds a colon (model:PATH)."""
         m = _CONDITION.match(spec)
-        if not m:
-            raise ValueError(f"bad condition {spec!r}: expected TARGET:SOURCE>=THRESHOLD, e.g. length_ok:correct>=1")
-        target, source, op, threshold = m.groups()
+        pairs = [(m[1][:i].strip(), m[1][i + 1:].strip()) for i, ch in enumerate(m[1]) if ch == ":"] if m else []
+        known = [p for p in pairs if set(p) <= set(names)]
+        if not pairs or (len(pairs) > 1 and len(known) != 1) or not all(known[0] if known else pairs[0]):
+            raise ValueError(f"bad condition {spec!r}: expected TARGET:SOURCE>=THRESHOLD, e.g. length_ok:correct>=1"
+                             + (", with TARGET and SOURCE among the rewards" if len(pairs) > 1 else ""))
+        (target, source), op, threshold = known[0] if known else pairs[0], m[2], m[3]
         try:
             value = float(threshold)
         except ValueError:

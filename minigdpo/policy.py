@@ -73,9 +73,30 @@ def build(path, device, compute_dtype, grad_checkpointing=False, frozen=False, o
     param_dtype = compute_dtype if compute_dtype != torch.float32 and not frozen else None
     model = dist.shard(model, decoder_layers(lm), param_dtype=param_dtype, offload=offload, forward_methods=("layer_pair",))
     if read is not None:
-        dist.materialize(lm, torch.device("cpu") if offload else device, read)
-        with torch.no_grad():  # buffers that no checkpoint stores (rotary tables): transformers computes them
-            for m in lm.modules():
-                if m._non_persistent_buffers_set:
-                    lm._init_weights(m)
+        fill(lm, torch.device("cpu") if offload else device, read)
+    return model
+
+
+def fill(lm, device, read):
+    """Allocate a sharded meta-device model and read this rank's shards into it (dist.materialize)."""
+    dist.materialize(lm, device, read)
+    with torch.no_grad():  # buffers that no checkpoint stores (rotary tables): transformers computes them
+        for m in lm.modules():
+            if m._non_persistent_buffers_set:
+                lm._init_weights(m)
+
+
+def build_classifier(path, config, device, dtype):
+    """A frozen sequence classifier (a reward model, rewards/reward_model.py) sharded with FSDP2 as the reference
+    is: built on the meta device, each rank reading only its own shards."""
+    from transformers import AutoModelForSequenceClassification
+
+    with torch.device("meta"):
+        model = AutoModelForSequenceClassification.from_config(config, dtype=dtype)
+    read = shard_reader(path, model)
+    if read is None:
+        raise ValueError(f"reward model {path}: its tensors do not match its config by name and shape, so it "
+                         "cannot be sharded; use --reward-model-placement resident or offload")
+    model.requires_grad_(False).eval()
+    fill(dist.shard(model, decoder_layers(model)), device, read)
     return model

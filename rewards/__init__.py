@@ -212,11 +212,12 @@ class RewardScorer:
         self.max_timeouts = max_timeouts
         self._warned = set()
 
-    def place_models(self, device, dtype, batch_size=8, placement="auto"):  # train.py; eval.py places on first use
-        """Load the reward models' weights on the trainer's device, in its dtype (before any is needed)."""
+    def place_models(self, device, dtype, batch_size=8, placement="auto", shard_build=None):
+        """Load the reward models' weights on the trainer's device, in its dtype, before any is needed (train.py;
+        eval.py's scorer places them on first use). shard_build: see reward_model.ModelReward.place."""
         for reward in self.rewards:
             if isinstance(reward.fn, reward_model.ModelReward):
-                reward.fn.place(device, dtype, batch_size, placement)
+                reward.fn.place(device, dtype, batch_size, placement, shard_build)
 
     @classmethod
     def merge(cls, parts):

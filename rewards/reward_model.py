@@ -93,9 +93,10 @@ class ModelReward:
         limit = self.tokenizer.model_max_length
         self.max_len = limit if limit and limit < 10**7 else getattr(self.config, "max_position_embeddings", 2048)
 
-    def place(self, device=None, dtype=None, batch_size=8, placement="resident"):
+    def place(self, device=None, dtype=None, batch_size=8, placement="resident", shard_build=None):
         """Load the weights where --reward-model-placement says (the module docstring), once. Without a device
-        (eval.py's scorer, on first use): this rank's accelerator if there is one, in bf16, else the CPU in fp32."""
+        (eval.py's scorer, on first use): this rank's accelerator if there is one, in bf16, else the CPU in fp32.
+        shard_build(path, config, device, dtype) builds the sharded model (train.py passes policy.build_classifier)."""
         from minigdpo import dist
 
         if self.model is not None:
@@ -106,9 +107,9 @@ class ModelReward:
         self.device, self.dtype, self.batch_size = torch.device(device), dtype, batch_size
         sharded = dist.is_initialized() and dist.world_size() > 1
         self.placement = ("shard" if sharded else "resident") if placement == "auto" else placement
-        if self.placement == "shard" and not dist.is_initialized():
+        if self.placement == "shard" and (not dist.is_initialized() or shard_build is None):
             self.placement = "resident"  # one process with no process group (eval.py): nothing to shard over
-        self.model = self._build(self.path, self.config, dist)
+        self.model = self._build(self.path, self.config, shard_build)
 
     @staticmethod
     def _label_column(config, label):
@@ -124,29 +125,16 @@ class ModelReward:
             return int(label)
         raise RewardModelError(f"reward model has no label {label!r}; its labels: {', '.join(map(str, names))}")
 
-    def _build(self, path, config, dist):
+    def _build(self, path, config, shard_build):
         from transformers import AutoModelForSequenceClassification
 
         if self.placement != "shard":
             model = AutoModelForSequenceClassification.from_pretrained(path, config=config, dtype=self.dtype)
             return model.to("cpu" if self.placement == "offload" else self.device).eval().requires_grad_(False)
-        from minigdpo.logprobs import decoder_layers
-        from minigdpo.policy import shard_reader
-
-        with torch.device("meta"):
-            model = AutoModelForSequenceClassification.from_config(config, dtype=self.dtype)
-        read = shard_reader(path, model)
-        if read is None:
-            raise RewardModelError(f"reward model {path}: its tensors do not match its config by name and shape, "
-                                   "so it cannot be sharded; use --reward-model-placement resident or offload")
-        model.requires_grad_(False).eval()
-        dist.shard(model, decoder_layers(model))
-        dist.materialize(model, self.device, read)
-        with torch.no_grad():  # buffers no checkpoint stores (rotary tables): transformers computes them
-            for m in model.modules():
-                if m._non_persistent_buffers_set:
-                    model._init_weights(m)
-        return model
+        try:
+            return shard_build(path, config, self.device, self.dtype)
+        except ValueError as e:
+            raise RewardModelError(str(e)) from None
 
     def memory_gib(self):
         """This rank's device memory for the reward model's weights (0 between steps when offloaded)."""

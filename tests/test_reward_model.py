@@ -187,7 +187,8 @@ def test_rule_rewards_and_two_reward_models_train(rms, tmp_path, nproc, backend)
     reward models are sharded with FSDP2 (placement auto)."""
     out = str(tmp_path / "run")
     rewards = f"correct,format,model:{rms['gpt2']},model:{rms['guard']}@safe"  # GPT-2: its own tokenizer and template
-    flags = {"hf": [], "lora": ["--lora-rank", "4"], "vllm": ["--sampler", "vllm"]}[backend]
+    condition = ["--condition", f"model:{rms['gpt2']}:format>=0"]  # conditioned like any reward (always met here)
+    flags = {"hf": condition, "lora": ["--lora-rank", "4"], "vllm": ["--sampler", "vllm"]}[backend]
     script = ["tests/vllm_train.py"] if backend == "vllm" else SMOKE[:1]
     run(script + SMOKE[1:] + ["--rewards", rewards, "--output-dir", out] + flags, nproc=nproc)
     rows = read_jsonl(os.path.join(out, "metrics.jsonl"))
@@ -202,3 +203,16 @@ def test_rule_rewards_and_two_reward_models_train(rms, tmp_path, nproc, backend)
     step = os.path.join(out, "checkpoints", "step_000002")
     files = [os.path.join(d, f) for d, _, fs in os.walk(step) for f in fs]
     assert files and not any(b"score.weight" in open(f, "rb").read() for f in files)  # the reward models' head
+
+
+def test_conditions_name_reward_models():
+    """Eq. 8 on a reward model: its name holds colons, so the run's reward names tell TARGET from SOURCE."""
+    from minigdpo.advantages import Condition
+
+    names = ["correct", "model:/m/guard@safe", "model:/m/rm"]
+    c = Condition.parse("model:/m/guard@safe:correct>=1", names)
+    assert (c.target, c.source, c.op, c.threshold) == ("model:/m/guard@safe", "correct", ">=", 1.0)
+    c = Condition.parse("model:/m/rm:model:/m/guard@safe>0.5", names)
+    assert (c.target, c.source) == ("model:/m/rm", "model:/m/guard@safe")
+    with pytest.raises(ValueError, match="with TARGET and SOURCE among the rewards"):
+        Condition.parse("model:/m/other:correct>=1", names)
