@@ -1,4 +1,4 @@
-"""The README's memory plans for one 80 GB GPU, computed from the models' config.json numbers.
+"""The memory plans of docs/gpus.md for one 80 GB GPU, computed from the models' config.json numbers.
 
     python benchmarks/memory_plan.py                 # --preset a100 (Qwen2.5-1.5B) and --preset a100-lora (Qwen2.5-7B)
     python benchmarks/memory_plan.py --preset a100-lora --lora-rank 64

@@ -4,7 +4,7 @@
     python examples/gdpo_vs_grpo.py --report           # only the summary, from the runs already done
     python examples/gdpo_vs_grpo.py --seeds 0-1 --settings arith   # a subset (the summary covers what is done)
 
-Needs vLLM's CPU build (README, Sampling with vLLM) and the demo model (README command 1), and matplotlib
+Needs vLLM's CPU build (docs/gpus.md, Sampling with vLLM) and the demo model (README command 1), and matplotlib
 for the plot. Each run is one shell line, kept with its results: `train.py` with the CPU demo's recipe (4
 prompts x G=8 a step, lr 2e-5, beta 0.04, fp32) cut to 8 steps, then `eval.py` on the first 128 held-out
 arith problems, greedy, on the step-8 checkpoint. (A 12-step run with its evaluation took 7.5 min here; 8

@@ -43,7 +43,7 @@ class Config:
     """Conditioned rewards (paper Eq. 8), e.g. length_ok:correct>=1. Repeat the flag or separate with commas."""
     estimator: str = "gdpo"
     """Advantage estimator: gdpo (the paper's TRL code), grpo, grpo_no_std, gdpo_verl, gdpo_nemo (verl's and
-    NeMo-RL's GDPO), or GDPO's successors gd2po, saw_gdpo and saw_grpo. See README, Estimators."""
+    NeMo-RL's GDPO), or GDPO's successors gd2po, saw_gdpo and saw_grpo. See docs/estimators.md."""
     gd2po_mode: str = "snr"
     """gd2po: drop every rollout whose rewards pull apart (hard), or those that nearly cancel, |rho| < tau (snr)."""
     gd2po_tau: float = 0.8
@@ -169,7 +169,7 @@ class Config:
     of the fp32 gradients) or step (once, fewer collectives, but the whole fp32 gradient per rank: 28 GB at 7B)."""
     sampler: str = "auto"
     """Rollout backend: hf, vllm, or auto (vllm when it is importable and CUDA is present). On a CPU, vllm needs
-    vLLM's CPU build (README, Sampling with vLLM) and is used only when asked for."""
+    vLLM's CPU build (docs/gpus.md, Sampling with vLLM) and is used only when asked for."""
     vllm_gpu_memory_utilization: float = 0.3
     """Fraction of GPU memory vLLM may take for weights and KV cache (colocated with training)."""
     vllm_kv_cache_gib: float = 0.0
@@ -191,7 +191,7 @@ PRESETS = {
     "paper-gsm8k": dict(),
     # One 80 GB A100: G=8, 256 completions per step, micro-batches that fit with vLLM colocated.
     "a100": dict(group_size=8, batch_size=256, micro_batch_size=8, grad_checkpointing=True, vllm_gpu_memory_utilization=0.35),
-    # Qwen2.5-7B on one 80 GB A100: frozen bf16 base, rank-32 adapters, no reference copy; lr 5e-5 untuned (README, LoRA).
+    # Qwen2.5-7B on one 80 GB A100: frozen bf16 base, rank-32 adapters, no reference copy; lr 5e-5 untuned (docs/gpus.md).
     "a100-lora": dict(model="Qwen/Qwen2.5-7B-Instruct", group_size=8, batch_size=256, micro_batch_size=8,
                       grad_checkpointing=True, lora_rank=32, lora_alpha=64.0, lr=5e-5, vllm_gpu_memory_utilization=0.55),
     # Offline, 2 CPU cores, about 7 minutes: SmolLM2-135M learns arithmetic, then meets its base model on 64 problems.

@@ -95,7 +95,7 @@ def cleanup(error=None):
 
     torch's destroy_process_group only unregisters a gloo group: it lives on, worker threads and all,
     until its last reference goes, and a group alive at interpreter exit can abort the process
-    ("terminate called without an active exception": README, Reliability, says how). The sharded model
+    ("terminate called without an active exception": docs/reliability.md says how). The sharded model
     and optimizer hold the groups, so the caller lets go of them first (train.main does; on an error
     path the frames of `error`'s traceback, and of its causes, are released here); the device mesh lets
     go of its groups here, and a collection frees the rest: the groups' destructors join their threads

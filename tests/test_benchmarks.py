@@ -1,5 +1,5 @@
 """The benchmark scripts run end to end on shapes small enough for a test (their figures are not
-checked here; the README's Performance section has the measured ones).
+checked here; docs/performance.md has the measured ones).
 
 Run: pytest tests/test_benchmarks.py
 """

@@ -1,5 +1,5 @@
 """Dynamic sampling that understands several rewards: informative_groups against its naive loop for every
-estimator, the two examples of the README, and --dynamic-sampling in train.py (the cap, 2 ranks that find
+estimator, the two examples of docs/conditions-and-dynamic-sampling.md, and --dynamic-sampling in train.py (the cap, 2 ranks that find
 different numbers of informative groups, and an exact resume across a step that needed extra rounds).
 
 Run: pytest tests/test_dynamic_sampling.py   (about 3 minutes on 2 cores)
@@ -74,7 +74,7 @@ def test_summed_reward_filters_drop_groups_gdpo_can_use():
     """Over every binary reward table of a few (G, R): where the summed reward varies GDPO has a signal too,
     and from G = 4, R = 3 on some tables with a constant sum carry one for GDPO: rewards whose spreads
     differ, e.g. (1,0,0) (1,0,0) (0,1,0) (0,0,1), whose z-scores no longer cancel. A filter on the summed
-    reward's variance drops those (examples/collapse.py --informative counts them for the README)."""
+    reward's variance drops those (examples/collapse.py --informative counts them for docs/conditions-and-dynamic-sampling.md)."""
     for G, R, extra in [(2, 2, False), (2, 3, False), (3, 3, False), (4, 2, False), (4, 3, True), (5, 3, True)]:
         rows = list(itertools.product([0.0, 1.0], repeat=R))
         tables = groups([list(t) for t in itertools.product(rows, repeat=G)])   # (2^(G R), G, R)

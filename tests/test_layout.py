@@ -5,6 +5,7 @@ Run: pytest tests/test_layout.py
 
 import ast
 import glob
+import re
 import os
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -84,14 +85,49 @@ def test_the_rl_core_stays_within_its_budget():
 
 
 def test_the_readme_points_at_the_lines_it_names():
-    """README's "GDPO in three lines" links lines of advantages.py: each must still hold what it names."""
+    """README's "GDPO in three lines" (and docs/) link lines of advantages.py: each must still hold what it names."""
     import re
 
-    readme = open(os.path.join(ROOT, "README.md")).read()
+    pages = ["README.md"] + glob.glob(os.path.join(ROOT, "docs", "*.md"))
+    readme = "".join(open(os.path.join(ROOT, p)).read() for p in pages)
     lines = open(os.path.join(ROOT, "minigdpo", "advantages.py")).read().split("\n")
     expected = {"Eq. 4": "group_zscore(rewards, eps)", "Eq. 5": "_weights(rewards, weights)).sum",
                 "Eq. 6": "/ (flat.std() + eps)", "group_zscore": "var.sqrt() + eps", "apply_conditions": "def apply_conditions"}
-    anchors = [int(n) for n in re.findall(r"minigdpo/advantages\.py#L(\d+)", readme)]
+    anchors = [int(n) for n in re.findall(r"minigdpo/advantages\.py#L(\d+)", readme)]  # README's and docs/'s
     assert len(anchors) == len(expected)
     for n in anchors:
         assert any(code in lines[n - 1] for code in expected.values()), (n, lines[n - 1])
+
+
+LINK = re.compile(r"\[([^\]]*)\]\(([^)\s]+)\)")
+
+
+def test_every_relative_link_in_the_readme_and_docs_points_somewhere():
+    """Each relative link of README.md and docs/*.md names a file that exists; a `file#Lnnn` anchor names a line
+    that exists and, where the link's text is a name (`apply_conditions`), still holds that name."""
+    pages = ["README.md"] + sorted(os.path.relpath(p, ROOT) for p in glob.glob(os.path.join(ROOT, "docs", "*.md")))
+    assert len(pages) >= 10
+    checked = 0
+    for page in pages:
+        for text, target in LINK.findall(open(os.path.join(ROOT, page)).read()):
+            if target.startswith(("http://", "https://", "mailto:", "#")):
+                continue
+            path, _, anchor = target.partition("#")
+            full = os.path.normpath(os.path.join(ROOT, os.path.dirname(page), path))
+            assert os.path.exists(full), f"{page}: {target} points nowhere"
+            if anchor.startswith("L"):
+                lines = open(full).read().split("\n")
+                n = int(anchor[1:])
+                assert 1 <= n <= len(lines), f"{page}: {target} is past the end of {path}"
+                name = text.strip("`")
+                if re.fullmatch(r"[A-Za-z_]\w*", name):
+                    assert name in lines[n - 1], f"{page}: {target} no longer holds {name}: {lines[n - 1]!r}"
+            checked += 1
+    assert checked > 20
+
+
+def test_the_readme_stays_short_and_opens_with_its_two_commands():
+    readme = open(os.path.join(ROOT, "README.md")).read()
+    assert len(readme.splitlines()) <= 300
+    first = readme.split("```bash\n", 1)[1].split("```", 1)[0].splitlines()
+    assert first[1].endswith("python train.py --preset cpu-demo") and first[4].endswith("python -m pytest -q tests")
