@@ -3,10 +3,12 @@
 Run: pytest tests/test_layout.py
 """
 
+import argparse
 import ast
 import glob
-import re
 import os
+import re
+import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -131,3 +133,26 @@ def test_the_readme_stays_short_and_opens_with_its_two_commands():
     assert len(readme.splitlines()) <= 300
     first = readme.split("```bash\n", 1)[1].split("```", 1)[0].splitlines()
     assert first[1].endswith("python train.py --preset cpu-demo") and first[4].endswith("python -m pytest -q tests")
+
+
+def test_every_flag_the_docs_name_exists():
+    """A flag named in README.md or docs/ is one of train.py's, eval.py's, a script's, or torchrun's and pip's."""
+    from minigdpo import config
+
+    known = {o for a in config.build_parser()._actions for o in a.option_strings}
+    scripts = ["eval.py"] + [os.path.relpath(p, ROOT) for d in ("benchmarks", "examples", "tests", "minigdpo")
+                             for p in glob.glob(os.path.join(ROOT, d, "*.py"))]
+    for script in scripts:
+        known |= set(re.findall(r'add_argument\(\s*"(--[a-z0-9-]+)"', open(os.path.join(ROOT, script)).read()))
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    from gpu_proxies import add_shape_args  # the benchmarks' shape flags, made in a loop
+
+    shapes = argparse.ArgumentParser()
+    add_shape_args(shapes, 1, 1, 1, 1, 1)
+    known |= {o for a in shapes._actions for o in a.option_strings}
+    known |= {"--nnodes", "--nproc_per_node", "--node_rank", "--master_addr", "--master_port", "--rdzv_endpoint",
+              "--no-deps"}  # torchrun's and pip's
+    pages = ["README.md"] + glob.glob(os.path.join(ROOT, "docs", "*.md"))
+    for page in pages:
+        for flag in re.findall(r"(?<![\w-])(--[a-z][a-z0-9_-]+)", open(os.path.join(ROOT, page)).read()):
+            assert flag in known, f"{os.path.relpath(page, ROOT)} names {flag}, which no command here takes"
