@@ -183,6 +183,18 @@ def report(summary):
     print(f"\n{summary['intervals']}; total {summary['total_wall_s'] / 60:.0f} min of runs")
 
 
+def markdown(summary):
+    """The summary as markdown tables, one per setting (what docs/results.md shows)."""
+    for setting, entry in summary.items():
+        if not isinstance(entry, dict) or "per_arm" not in entry:
+            continue
+        print(f"\n{setting}, {len(entry['seeds'])} seeds per arm:\n")
+        print("| metric | GDPO | GRPO | GDPO - GRPO | GDPO wins / ties / losses |\n|---|---|---|---|---|")
+        for k, d in entry["paired_gdpo_minus_grpo"].items():
+            print(f"| {k} | {fmt(entry['per_arm']['gdpo'][k])} | {fmt(entry['per_arm']['grpo'][k])} | "
+                  f"{d['mean']:+.3f} [{d['low']:+.3f}, {d['high']:+.3f}] | {d['wins']} / {d['ties']} / {d['losses']} |")
+
+
 def plot(runs, path):
     """Training reward curves: one row per setting, one panel per reward, mean and 95% t band over seeds per arm."""
     import matplotlib
@@ -227,6 +239,7 @@ def main():
     p.add_argument("--settings", default=",".join(SETTINGS), help="comma-separated, of: " + ", ".join(SETTINGS))
     p.add_argument("--report", action="store_true", help="only summarise the runs already done")
     p.add_argument("--keep-checkpoints", action="store_true", help="keep each run's checkpoint after its evaluation")
+    p.add_argument("--markdown", action="store_true", help="also print the summary as markdown tables")
     args = p.parse_args()
     settings = args.settings.split(",")
     unknown = set(settings) - set(SETTINGS)
@@ -245,6 +258,8 @@ def main():
         json.dump({"runs": runs, "summary": summary}, f, indent=1)
     print(f"wrote {os.path.relpath(RESULTS, ROOT)} ({len(runs)} runs)")
     report(summary)
+    if args.markdown:
+        markdown(summary)
     if runs:
         plot(runs, PLOT)
 
