@@ -35,7 +35,6 @@ Where the weights live (--reward-model-placement):
 The reward model never enters a checkpoint: it is not part of the trained state.
 """
 
-import math
 import time
 
 import torch
@@ -189,5 +188,4 @@ class ModelReward:
                       "model_gib": self.memory_gib()}
 
     def __call__(self, completion, example):
-        score = self._scores[completion, id(example)]
-        return score if math.isfinite(score) else float("nan")
+        return self._scores[completion, id(example)]  # a non-finite score: the scorer counts it as invalid (None)

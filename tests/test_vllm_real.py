@@ -212,6 +212,17 @@ def test_train_samples_with_the_real_engine_and_exits_cleanly(path, tmp_path):
 
 
 @pytest.mark.slow
+def test_a_reward_model_scores_beside_the_real_engine(path, tmp_path):
+    from test_reward_model import build_llama  # a tiny random Llama sequence classifier
+
+    rm = build_llama(tmp_path / "rm")
+    out = str(tmp_path / "run")
+    rows = check_run(run(train_args(path, out, "--max-steps", "2", "--save-every", "0",
+                                    "--rewards", f"tests.helpers:digit_frac,format,model:{rm}")), out, 2)
+    assert rows[-1][f"reward/model:{rm}/std"] > 0 and rows[-1][f"reward/model:{rm}/model_gib"] > 0
+
+
+@pytest.mark.slow
 def test_two_ranks_one_engine_each_train_exit_cleanly_and_resume(path, tmp_path):
     out = str(tmp_path / "run")
     args = train_args(path, out, "--max-steps", "3", "--save-every", "2")
