@@ -230,6 +230,8 @@ BAD_VALUES = {  # every config field, with a value it must refuse (the test belo
     "grad_checkpointing": None, "ref_offload": None, "logprob_chunk": 0, "output_dir": "", "save_every": -1,
     "keep_checkpoints": 0, "on_save_error": "ignore", "sharding": "zero3", "reduce_grads": "never", "final_eval": -1,
     "resume": None, "samples_every": -1, "wandb": None,
+    "gd2po_mode": "soft", "gd2po_tau": 1.5, "saw_shift": [float("inf")],
+    "reward_model_placement": "everywhere", "reward_model_batch_size": 0,
     # LoRA: a negative rank; at rank 0 (smoke's) any other LoRA flag is refused; see tests/test_lora.py for rank > 0
     "lora_rank": -1, "lora_alpha": float("nan"), "lora_dropout": 1.0, "lora_targets": [], "merge_on_save": True,
 }
