@@ -109,6 +109,9 @@ class ModelReward:
         if self.placement == "shard" and (not dist.is_initialized() or shard_build is None):
             self.placement = "resident"  # one process with no process group (eval.py): nothing to shard over
         self.model = self._build(self.path, self.config, shard_build)
+        # This rank's device memory for the weights, fixed once placed (0 between steps when offloaded).
+        local = [p.to_local() if hasattr(p, "to_local") else p for p in self.model.parameters()]
+        self.gib = 0.0 if self.placement == "offload" else sum(t.numel() * t.element_size() for t in local) / 2**30
 
     @staticmethod
     def _label_column(config, label):
@@ -134,13 +137,6 @@ class ModelReward:
             return shard_build(path, config, self.device, self.dtype)
         except ValueError as e:
             raise RewardModelError(str(e)) from None
-
-    def memory_gib(self):
-        """This rank's device memory for the reward model's weights (0 between steps when offloaded)."""
-        if self.placement == "offload":
-            return 0.0
-        local = [p.to_local() if hasattr(p, "to_local") else p for p in self.model.parameters()]
-        return sum(t.numel() * t.element_size() for t in local) / 2**30
 
     def encode(self, messages, completion):
         """The conversation's token ids in the reward model's template, cut from the left to its limit."""
@@ -185,7 +181,7 @@ class ModelReward:
                 self.model.to("cpu")
         self._scores = {(c, id(ex)): s for c, ex, s in zip(completions, examples, scores.tolist())}
         self.stats = {"truncated": sum(cut for _, cut in encoded), "model_seconds": time.perf_counter() - t0,
-                      "model_gib": self.memory_gib()}
+                      "model_gib": self.gib}
 
     def __call__(self, completion, example):
         return self._scores[completion, id(example)]  # a non-finite score: the scorer counts it as invalid (None)
