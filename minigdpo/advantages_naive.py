@@ -103,12 +103,20 @@ def gdpo_verl_naive(rewards, weights=None, eps=VERL_EPS, lengths=None):
     lengths = [[1] * len(g) for g in rewards] if lengths is None else lengths
     summed = _gdpo_sums(rewards, weights, eps)
     counts = [[int(n) if o else 0 for n, o in zip(ls, ok)] for ls, ok in zip(lengths, _applies(rewards))]
-    tokens = [a for g, ns in zip(summed, counts) for a, n in zip(g, ns) for _ in range(n)]
+    return _whiten_tokens(summed, counts)
+
+
+def _whiten_tokens(values, counts, mean_eps=0.0):
+    """verl's masked_whiten on a flat list holding each sample's value once per token (counts[b][i] times);
+    masked_mean divides by N + mean_eps (0 in verl-GDPO and SAW, 1e-8 in GD2PO)."""
+    tokens = [a for g, ns in zip(values, counts) for a, n in zip(g, ns) for _ in range(n)]
     if len(tokens) < 2:
-        return [[0.0] * len(g) for g in summed]
-    mean, std = _mean_std(tokens)
-    return [[(a - mean) / math.sqrt(std**2 + WHITEN_EPS) if n else 0.0 for a, n in zip(g, ns)]
-            for g, ns in zip(summed, counts)]
+        return [[0.0] * len(g) for g in values]
+    n = len(tokens)
+    mean = sum(tokens) / (n + mean_eps)
+    var = sum((t - mean) ** 2 for t in tokens) / (n + mean_eps) * n / (n - 1)
+    return [[(a - mean) / math.sqrt(var + WHITEN_EPS) if c else 0.0 for a, c in zip(g, ns)]
+            for g, ns in zip(values, counts)]
 
 
 def gdpo_nemo_naive(rewards, weights=None, eps=NEMO_EPS, lengths=None, leave_one_out=True):
@@ -149,14 +157,7 @@ def gd2po_naive(rewards, weights=None, eps=VERL_EPS, lengths=None, mode="snr", t
     lengths = [[1] * len(g) for g in rewards] if lengths is None else lengths
     counts = [[int(n) if o and k else 0 for n, o, k in zip(ls, ok, kp)]
               for ls, ok, kp in zip(lengths, _applies(rewards), kept)]
-    tokens = [a for g, ns in zip(sums, counts) for a, n in zip(g, ns) for _ in range(n)]
-    if len(tokens) < 2:
-        return [[0.0] * len(g) for g in sums]
-    n = len(tokens)
-    mean = sum(tokens) / (n + 1e-8)
-    var = sum((t - mean) ** 2 for t in tokens) / (n + 1e-8) * n / (n - 1)
-    return [[(a - mean) / math.sqrt(var + WHITEN_EPS) if c else 0.0 for a, c in zip(g, ns)]
-            for g, ns in zip(sums, counts)]
+    return _whiten_tokens(sums, counts, mean_eps=1e-8)
 
 
 def saw_weights_naive(rewards, shift=None):
