@@ -123,8 +123,9 @@ def run_training(argv=None):
         # 1-3. Prompts, G completions each, their rewards: this rank's share of B groups (minigdpo/rollout.py).
         sampled, cursor = sample_groups(step, cursor, order, task, tokenizer, sampler, scorer, cfg, derived,
                                         informative, seconds)
-        sampler.sleep()  # once the step's last round is sampled: the trainer gets the accelerator's memory
         groups, K = sampled.groups, len(sampled.rewards)  # K: the same on every rank, a multiple of the world size
+        if K:  # the trainer gets the accelerator's memory; a sleeping vLLM drops its weights until step 7's sync
+            sampler.sleep()
         completions = [c for g in groups for c in g["completions"]]            # S = K / world * G
 
         # 4. Advantages over the global batch (GDPO's batch step must see every rank's groups).

@@ -199,7 +199,11 @@ def main(argv=None):
             print(f"dense: not run ({type(e).__name__}: {str(e)[:200]})")
 
     try:
+        import inspect
+
         from torch.nn.attention.varlen import varlen_attn
+
+        params = inspect.signature(varlen_attn).parameters
 
         # segments: each prompt (keys: itself), then each completion (keys: its prompt, then itself)
         q_seg, k_seg, starts, pos = [], [], [], 0
@@ -225,7 +229,11 @@ def main(argv=None):
         def run_varlen():
             qq = q[0].transpose(0, 1)[qi]                                 # (Lq, h, d)
             kk, vv = k[0].transpose(0, 1)[ki], v[0].transpose(0, 1)[ki]   # (Lk, hkv, d)
-            out = varlen_attn(qq, kk, vv, cu_q, cu_k, mq, mk, window_size=(-1, 0), enable_gqa=True)  # causal, bottom-right
+            if "enable_gqa" not in params:  # torch 2.11's varlen_attn has no GQA: repeat the key-value heads
+                kk, vv = kk.repeat_interleave(rep, 1), vv.repeat_interleave(rep, 1)
+            causal = {"window_size": (-1, 0)} if "window_size" in params else {"is_causal": True}  # bottom-right
+            out = varlen_attn(qq, kk, vv, cu_q, cu_k, mq, mk, **causal, **({"enable_gqa": True} if "enable_gqa" in params
+                                                                           else {}))
             full = torch.zeros(L, args.heads, args.head_dim, device=device, dtype=dtype).index_copy(0, qi, out)
             full.transpose(0, 1)[None].backward(grad_out)
             return full.transpose(0, 1)[None]

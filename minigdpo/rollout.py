@@ -40,13 +40,17 @@ class Round:
     truncated: torch.Tensor    # (B * G,) 1 where a completion ran to max_new_tokens
 
 
-def rollout(examples, seed, tokenizer, sampler, scorer, cfg, seconds):
-    """Steps 1-3 once: this rank's `examples` as prompts, G completions each drawn from `seed`, their rewards."""
+def rollout(examples, seed, tokenizer, sampler, scorer, cfg, seconds, sleep=False):
+    """Steps 1-3 once: this rank's `examples` as prompts, G completions each drawn from `seed`, their rewards.
+    sleep=True puts the sampler to sleep before scoring, so that a reward model's memory does not come on top of
+    vLLM's: only when an update (and so a weight sync) is sure to follow."""
     G = cfg.group_size
     prompts = [encode_prompt(tokenizer, ex["messages"], cfg.max_prompt_len) for ex in examples]
     params = SamplingParams(cfg.temperature, cfg.top_p, cfg.max_new_tokens, seed=seed, ignore_eos=cfg.ignore_eos)
     with timed(seconds, "generate"):
         completions = [c for group in sampler.generate(prompts, G, params) for c in group]   # S = prompts * G
+    if sleep:
+        sampler.sleep()
     with timed(seconds, "reward"):
         scores, counts = scorer([c.text for c in completions], [ex for ex in examples for _ in range(G)],
                                 [len(c.token_ids) for c in completions])                   # (S, R)
@@ -85,7 +89,7 @@ def sample_groups(step, cursor, order, task, tokenizer, sampler, scorer, cfg, de
         examples = [task.examples[i] for i in order.take(cursor, B)[rank * mine:(rank + 1) * mine]]
         cursor += B
         seed = cfg.seed * 1_000_003 + step * 1_009 + rank + n * 1_000_000_007
-        rounds.append(rollout(examples, seed, tokenizer, sampler, scorer, cfg, seconds))
+        rounds.append(rollout(examples, seed, tokenizer, sampler, scorer, cfg, seconds, sleep=not cfg.dynamic_sampling))
         keep = informative(rounds[-1].rewards)                                  # (B,) logged with or without the flag
         kept += int(keep.sum())
         found += [(n, g) for g in range(B) if keep[g] or not cfg.dynamic_sampling]

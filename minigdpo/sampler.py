@@ -144,6 +144,7 @@ class HFSampler:
 
     @torch.no_grad()
     def generate(self, prompts, n, params):
+        self.wake()  # back on the accelerator if sleep() moved it off and no weight sync brought it back
         B = len(prompts)
         cache, logits, mask = self._prefill(prompts)                        # (B, V), (B, P)
         if n > 1:  # share the prefill: copy each prompt's cache to its n samples

@@ -39,9 +39,10 @@ Weights only ever come from the trainer. Nothing reloads them from disk after a 
 silently serves stale weights (huggingface/trl#5312). `sampler/logp_gap` in the metrics shows it at once.
 
 Sleep mode exists where vLLM's platform says so (CUDA, not the CPU build: platforms/interface.py:231-236).
-One step: generate(); sleep() once the step's last round is sampled (level 2: weights and KV cache
-discarded, nothing copied to the host, since the sync rewrites every weight); load_weights() wakes the
-weights and streams the new ones in; generate() wakes the KV cache.
+One step: generate(); sleep() once the step is known to update (level 2: weights and KV cache discarded,
+nothing copied to the host, since the sync rewrites every weight); load_weights() wakes the weights and
+streams the new ones in; generate() wakes the KV cache. A step with nothing to learn (dynamic sampling at
+its cap) does not sleep: no sync follows it. generate() refuses weights discarded and not reloaded.
 
 Sampling streams. vLLM draws sample j of a request from the stream `seed + j`
 (vllm/v1/engine/parallel_sampling.py:81), so one seed shared by every prompt would give sample j
@@ -60,7 +61,7 @@ import numpy as np
 import torch
 
 from minigdpo import dist, models
-from minigdpo.sampler import Completion, HFSampler, check_sync, tied_names
+from minigdpo.sampler import Completion, HFSampler, WeightSyncError, check_sync, tied_names
 
 # The builds this file is written against, and what each wheel declares (its METADATA); setup.py's own
 # ranges must meet these. tests/check_vllm_contract.py compares this record with either wheel.
@@ -162,6 +163,7 @@ class VLLMSampler:
                                 tensor_parallel_size=1, distributed_executor_backend="external_launcher",
                                 logprobs_mode="processed_logprobs", **options)  # log-probs after temperature, as the trainer's
         self.weights_awake, self.kv_awake = True, True
+        self.weights_discarded = False  # a level-2 sleep dropped them: only load_weights brings them back
         # What every sync must send: each weight of the Hugging Face model, a tied head under its own name too
         # (aliases: the first name of a tied tensor -> its other names).
         self.expected, self.aliases = list(lm.state_dict()), {}
@@ -172,6 +174,9 @@ class VLLMSampler:
         import vllm
         from vllm.inputs import TokensPrompt
 
+        if self.weights_discarded:  # vLLM would sample noise from uninitialised memory, without a word
+            raise WeightSyncError("generate() after sleep() discarded the engine's weights, with no load_weights() "
+                                  "since: call sleep() only when a weight sync follows")
         self.wake()
         stop = [] if params.ignore_eos else self.stop_ids  # vLLM stops on stop_token_ids even with ignore_eos
         sampling = [vllm.SamplingParams(n=n, temperature=params.temperature, top_p=params.top_p,
@@ -209,12 +214,17 @@ class VLLMSampler:
 
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": stream()})
         check_sync(self.expected, sent)
+        self.weights_discarded = False
         self.llm.reset_prefix_cache()
 
     def sleep(self):
+        """Free the accelerator for the update. Level 2 discards the weights (the sync that follows the update
+        rewrites every one: nothing is worth copying to the host), so a weight sync must come before the next
+        generate(), which refuses otherwise."""
         if self.can_sleep and (self.weights_awake or self.kv_awake):
-            self.llm.sleep(level=2)  # the next sync rewrites every weight: nothing worth copying to the host
+            self.llm.sleep(level=2)
             self.weights_awake = self.kv_awake = False
+            self.weights_discarded = True
 
     def wake(self):
         if not self.weights_awake:

@@ -28,7 +28,9 @@ Behaviours:
   same address and restores the copy (device_allocator/cumem.py:265-280, 345-360;
   device_allocator/sleep_mode_backend.py:134-137). A write into sleeping weights touches unmapped memory:
   a CUDA error (illegal address), raised here. Level 2 keeps no copy: after wake_up the weights are
-  uninitialised memory (cumem.py:361-364 zeroes it on ROCm only), NaN here, until reloaded;
+  uninitialised memory (cumem.py:361-364 zeroes it on ROCm only), NaN here, until reloaded. The real engine
+  generates from such weights without a word; this one refuses to, so that every test driving it checks that
+  no path generates between a level-2 sleep and the next reload;
 - a Llama/Qwen2 `load_weights` maps Hugging Face names onto the stacked qkv_proj / gate_up_proj layout
   (model_executor/models/llama.py:348-357, model_executor/models/qwen2.py:325), skips rotary buffers
   (model_executor/models/utils.py:236) and a tied lm_head (model_executor/models/utils.py:255-259), raises
@@ -281,6 +283,10 @@ class LLM:
 
     def generate(self, prompts, sampling_params=None, *, use_tqdm=True):
         assert not self.sleeping_tags, "the scheduler stays paused until every tag is awake: generate would hang"
+        stale = [k for k, v in self.model.params.items() if torch.isnan(v).any()]
+        if stale:  # cumem.py:361-364: after sleep(level=2) the weights are uninitialised memory until reloaded
+            raise AssertionError(f"generate from weights discarded by sleep(level=2) and never reloaded ({stale[0]}, "
+                                 f"{len(stale)} in all): the real engine samples noise from them without a word")
         params = sampling_params if isinstance(sampling_params, (list, tuple)) else [sampling_params] * len(prompts)
         if len(params) != len(prompts):  # entrypoints/common/offline.py:258-262
             raise ValueError(f"The lengths of prompts ({len(prompts)}) and params ({len(params)}) must be the same.")

@@ -162,3 +162,17 @@ def test_dynamic_sampling_with_the_vllm_sampler_and_with_lora(tmp_path, backend)
     assert [r["step"] for r in rows] == [1, 2, 3]
     assert all(r["sampling/groups_trained"] <= r["sampling/groups_informative"] for r in rows)
     assert any(r["sampling/groups_trained"] > 0 for r in rows)
+
+
+@pytest.mark.parametrize("backend", ["vllm", "hf"])
+def test_a_step_with_nothing_to_learn_leaves_the_sampler_on_the_trainers_weights(tmp_path, backend):
+    """Step 1 finds no group to learn from and skips its update; step 2 must still sample from the trainer's
+    weights. The fake engine refuses to generate from weights a level-2 sleep discarded (tests/fake_vllm.py),
+    as the sampler's wrapper does; the sampler sleeps only when a weight sync follows."""
+    out = str(tmp_path / "run")
+    args = ["--preset", "smoke", "--dynamic-sampling", "--max-sample-rounds", "1", "--max-steps", "3", "--rewards",
+            "tests.helpers:constant_first_step", "--save-every", "0", "--output-dir", out, "--final-eval", "4"]
+    run(["tests/vllm_train.py" if backend == "vllm" else "train.py"] + args)
+    rows = read_jsonl(os.path.join(out, "metrics.jsonl"))
+    assert [r["sampling/skipped_update"] for r in rows] == [1, 0, 0]
+    assert all(r["sampler/logp_gap"] < 1e-3 for r in rows[1:]) or backend == "vllm"  # the fake's log-probs are a toy's

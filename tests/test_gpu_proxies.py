@@ -130,6 +130,20 @@ def test_hf_sampler_loads_weights_asleep_straight_onto_its_device():
         torch.testing.assert_close(t, new[{"lm_head.weight": "model.embed_tokens.weight"}.get(name, name)], rtol=0, atol=0)
 
 
+def test_hf_sampler_generates_on_its_device_after_a_sleep_with_no_sync():
+    """sleep() moves the inference copy to the host on an accelerator; a step that then skips its update (no
+    load_weights) must still generate on the device: generate() wakes it. On the CPU, offloaded is set by hand."""
+    from minigdpo.sampler import HFSampler, SamplingParams
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    sampler = HFSampler(models.load_model(models.resolve_model("tiny-random")), [256], 257, device)
+    sampler.sleep()
+    sampler.offloaded = True  # what sleep() sets on an accelerator
+    out = sampler.generate([[10, 11, 12]], 2, SamplingParams(temperature=1.0, max_new_tokens=4, seed=1))
+    assert len(out[0]) == 2 and not sampler.offloaded
+    assert next(sampler.model.parameters()).device.type == device.type
+
+
 def test_build_reads_only_shards_into_a_meta_model_with_the_same_weights(process_group, monkeypatch):
     from tests.test_policy import batches, model_logprobs
 

@@ -212,6 +212,19 @@ def test_train_samples_with_the_real_engine_and_exits_cleanly(path, tmp_path):
 
 
 @pytest.mark.slow
+def test_a_step_with_nothing_to_learn_keeps_the_engine_on_the_trainers_weights(path, tmp_path):
+    """Dynamic sampling finds nothing at step 1 and skips its update: the next steps sample from the trainer's
+    weights, so the engine's log-probs still equal the trainer's on every step that updates."""
+    out = str(tmp_path / "run")
+    proc = run(train_args(path, out, "--max-steps", "3", "--save-every", "0", "--dynamic-sampling",
+                          "--max-sample-rounds", "1", "--rewards", "tests.helpers:constant_first_step"))
+    rows = read_jsonl(os.path.join(out, "metrics.jsonl"))
+    assert [r["sampling/skipped_update"] for r in rows] == [1, 0, 0]
+    assert max(r["sampler/logp_gap"] for r in rows[1:]) < FP32_GAP and rows[-1]["kl"] > 0
+    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+
+
+@pytest.mark.slow
 def test_a_reward_model_scores_beside_the_real_engine(path, tmp_path):
     from test_reward_model import build_llama  # a tiny random Llama sequence classifier
 

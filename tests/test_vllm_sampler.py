@@ -18,7 +18,7 @@ import torch
 import fake_vllm
 from conftest import ROOT, refusal, run
 from minigdpo import config, models, policy, vllm_sampler
-from minigdpo.sampler import SamplingParams
+from minigdpo.sampler import SamplingParams, WeightSyncError
 from minigdpo.vllm_sampler import VLLMSampler
 from minigdpo.update import optimizer
 
@@ -391,6 +391,30 @@ def test_fake_level_2_sleep_discards_the_weights(vllm):
     llm.sleep(level=2)
     llm.wake_up()
     assert bool(llm.model.params["model.norm.weight"].isnan().all())    # level 2: nothing to restore
+
+
+def test_fake_refuses_to_generate_from_discarded_weights(vllm):
+    """The real engine samples noise from them without a word (cumem.py:361-364); the fake refuses, so every test
+    that drives it checks that no path generates between a level-2 sleep and the next reload."""
+    llm = fake_engine(vllm, enable_sleep_mode=True)
+    prompt = [vllm.inputs.TokensPrompt(prompt_token_ids=[1, 2])]
+    llm.sleep(level=2)
+    llm.wake_up()
+    with pytest.raises(AssertionError, match="discarded by sleep"):
+        llm.generate(prompt, vllm.SamplingParams(max_tokens=2))
+
+
+def test_the_sampler_refuses_to_generate_after_a_sleep_with_no_sync(vllm, process_group):
+    """A step that sleeps and then has no update to sync (dynamic sampling with nothing to learn) must not reach
+    the engine: the wrapper refuses before vLLM would sample from uninitialised memory."""
+    model = policy.build(models.resolve_model("tiny-random"), process_group, torch.float32)
+    sampler = make()
+    sampler.generate([[1, 2]], 2, SamplingParams(max_new_tokens=2))
+    sampler.sleep()
+    with pytest.raises(WeightSyncError, match="discarded"):
+        sampler.generate([[1, 2]], 2, SamplingParams(max_new_tokens=2))
+    sampler.load_weights(model.hf_state())
+    sampler.generate([[1, 2]], 2, SamplingParams(max_new_tokens=2))  # reloaded: allowed again
 
 
 def test_fake_model_chain_exists_only_under_external_launcher(vllm):
