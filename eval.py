@@ -229,6 +229,8 @@ def evaluate(sampler, tokenizer, label, args, examples, names, out_file):
     Under a process group every rank samples its own slice of the prompts (rank 0 the first), and rank 0
     gathers them, summarises and writes. Returns (summary, prompt_stats) on rank 0, None elsewhere."""
     scorer = RewardScorer(names)
+    if examples:
+        scorer.check_conversation(examples[0]["messages"])
     params = SamplingParams(args.temperature, args.top_p, args.max_new_tokens, seed=args.seed)
     per_rank = -(-len(examples) // dist.world_size())
     first = dist.rank() * per_rank

@@ -232,6 +232,7 @@ def rewards_setup(cfg, task):
             if values and len(values) != len(names):
                 raise ValueError(f"{flag} has {len(values)} values for {len(names)} rewards {names}")
         scorer = RewardScorer(names, timeout=cfg.reward_timeout)
+        scorer.check_conversation(task.examples[0]["messages"])  # a reward model's template must write the task's
     except ValueError as e:
         raise config.ConfigError(str(e)) from None
     return names, conditions, torch.tensor(cfg.reward_weights or [1.0] * len(names), dtype=torch.float64), scorer

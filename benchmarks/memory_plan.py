@@ -83,7 +83,7 @@ def plan(cfg, reward_model="", gpus=8):
               "log-softmax chunk", activations(numbers, cfg.micro_batch_size, T, cfg.logprob_chunk), "update only"),
              (f"vLLM: weights {2 * N / GB:.1f} GB, KV cache and workspace in the rest of "
               f"{cfg.vllm_gpu_memory_utilization} x {GPU_GB} GB", vllm, "sampling only")]
-    scoring = 0
+    scoring = reward_host = 0
     if reward_model:  # a sequence classifier of the policy's shape: its layers and embeddings, a (1, H) head
         rm = 2 * (N - (0 if numbers["tie_word_embeddings"] else numbers["vocab_size"] * numbers["hidden_size"]))
         rows += [{"resident": ("reward model, bf16, resident", rm, "always"),
@@ -93,11 +93,14 @@ def plan(cfg, reward_model="", gpus=8):
                   cfg.reward_model_batch_size * T * (4 * numbers["hidden_size"] + 3 * numbers["intermediate_size"]) * 2,
                   "scoring only")]
         scoring = sum(b for _, b, when in rows if when.startswith("scoring only"))
+        reward_host = rm if reward_model == "offload" else 0
     always = sum(b for _, b, when in rows if when.startswith("always"))
     update = always + sum(b for what, b, when in rows if when == "update only")
-    # The scorer runs right after sampling, before vLLM sleeps: its peak adds to sampling's.
-    summary = dict(parameters=N, adapters=n, always=always, sampling=always + vllm + scoring, update=update,
-                   kv_per_token=kv_per_token, kv_batch=cfg.batch_size * T * kv_per_token,
+    # The scorer runs once vLLM sleeps, so its peak replaces sampling's; with --dynamic-sampling a round is scored
+    # before the next one samples, with vLLM awake, and its peak adds to sampling's.
+    sampling = always + vllm + (scoring if cfg.dynamic_sampling else 0)
+    summary = dict(parameters=N, adapters=n, always=always, sampling=sampling, scoring=always + scoring, update=update,
+                   reward_host=reward_host, kv_per_token=kv_per_token, kv_batch=cfg.batch_size * T * kv_per_token,
                    kv_room=vllm - 2 * N, full_ft=16 * N + 2 * N)
     return rows, summary
 
@@ -108,18 +111,24 @@ def main(argv=None):
     p.add_argument("--lora-rank", type=int)
     p.add_argument("--reward-model", choices=["resident", "offload", "shard"], default="",
                    help="add one reward model of the policy's shape, placed so (shard: over 8 GPUs)")
+    p.add_argument("--dynamic-sampling", action="store_true", help="score each round beside vLLM, as it does")
     args = p.parse_args(argv)
     for preset in args.preset or ["a100", "a100-lora"]:
         flags = ["--preset", preset] + (["--lora-rank", str(args.lora_rank)] if args.lora_rank and preset == "a100-lora" else [])
-        cfg = config.parse_args(flags)
+        cfg = config.parse_args(flags + (["--dynamic-sampling"] if args.dynamic_sampling else []))
         rows, s = plan(cfg, args.reward_model)
         print(f"\n{cfg.model}, --preset {preset}: {s['parameters'] / 1e9:.2f} B parameters"
               + (f", {s['adapters'] / 1e6:.1f} M trainable ({100 * s['adapters'] / s['parameters']:.2f}%)" if s["adapters"] else ""))
         print("| what | size | resident |\n|---|---|---|")
         for what, size, when in rows:
             print(f"| {what} | {size / GB:.1f} GB | {when} |")
-        print(f"peak while sampling{' and scoring' if args.reward_model else ''}: {s['sampling'] / GB:.1f} GB; during the update: {s['update'] / GB:.1f} GB "
-              f"(of which {s['always'] / GB:.1f} GB always resident)")
+        scoring = " and scoring" if args.reward_model and cfg.dynamic_sampling else ""
+        print(f"peak while sampling{scoring}: {s['sampling'] / GB:.1f} GB; "
+              + (f"while scoring (vLLM asleep): {s['scoring'] / GB:.1f} GB; " if args.reward_model and not scoring else "")
+              + f"during the update: {s['update'] / GB:.1f} GB (of which {s['always'] / GB:.1f} GB always resident)")
+        if args.reward_model == "offload":
+            print(f"offload keeps a whole host copy of the reward model on every rank: {s['reward_host'] / GB:.1f} GB of "
+                  f"CPU memory per rank, 8 x that on a node of 8 GPUs")
         print(f"KV cache: {s['kv_per_token'] / 1e3:.1f} KB per token; {cfg.batch_size} sequences of "
               f"{cfg.max_prompt_len + cfg.max_new_tokens} tokens need {s['kv_batch'] / GB:.1f} GB; vLLM's share has "
               f"{s['kv_room'] / GB:.1f} GB beyond the weights")

@@ -40,7 +40,7 @@ def main():
     spec = f"model:{path}"
     print(f"{'placement':<10} {'batch':>6} {'seconds / 32 completions':>26} {'weights GiB':>12}")
     for placement, batch in [("resident", 8), ("resident", 32), ("offload", 8)]:
-        reward_model._LOADED.pop(spec, None)
+        reward_model.forget(spec)
         scorer = RewardScorer([spec])
         scorer.place_models(torch.device("cpu"), torch.float32, batch, placement)
         times = []

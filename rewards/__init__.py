@@ -219,6 +219,12 @@ class RewardScorer:
             if isinstance(reward.fn, reward_model.ModelReward):
                 reward.fn.place(device, dtype, batch_size, placement, shard_build)
 
+    def check_conversation(self, messages):
+        """Refuse (RewardModelError) a reward model whose template cannot write a conversation of this shape."""
+        for reward in self.rewards:
+            if isinstance(reward.fn, reward_model.ModelReward):
+                reward.fn.rm.check_conversation(messages)
+
     @classmethod
     def merge(cls, parts):
         """Stats of several batches or ranks as one: counts add up; a reward model's memory is the largest."""
@@ -277,7 +283,7 @@ class RewardScorer:
                     try:
                         reward.prepare(completions, examples)
                         s.update(getattr(reward.fn, "stats", {}))  # a reward model's truncations and memory
-                    except reward_model.RewardModelError:  # out of memory: the run cannot go on as configured
+                    except reward_model.RewardModelError:  # a reward model that cannot score stops the run
                         raise
                     except Exception as e:  # the per-sample calls still run without the batch cache
                         self._warn(reward.name, "prepare", f"batch hook raised {type(e).__name__}: {e}")

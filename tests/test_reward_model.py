@@ -80,7 +80,7 @@ def one_at_a_time(path, messages, completion):
 
 
 def fresh(spec):
-    reward_model._LOADED.pop(spec, None)
+    reward_model.forget(spec)
     return reward_model.get(spec)
 
 
@@ -130,7 +130,7 @@ def test_bad_specs_are_refused_in_one_line(rms, tmp_path):
 
 def test_long_conversations_keep_their_end_and_are_counted(rms):
     rm = fresh(f"model:{rms['llama']}")
-    rm.max_len = 40
+    rm.rm.max_len = 40
     ex, long, short = {"messages": MESSAGES[1]}, "blue " * 30, "red"
     rm.prepare([long, short], [ex, ex])
     assert rm.stats["truncated"] == 1
@@ -149,7 +149,7 @@ def test_a_non_finite_score_is_none_and_counted(rms):
         rm.model.score.weight.fill_(math.nan)
     out, stats = RewardScorer(["format", spec])(COMPLETIONS[:2], [{"messages": MESSAGES[0]}] * 2)
     assert torch.isnan(out[:, 1]).all() and stats[spec]["invalid"] == 2
-    reward_model._LOADED.pop(spec)
+    reward_model.forget(spec)
 
 
 def test_out_of_memory_names_the_settings(rms, monkeypatch):
@@ -162,10 +162,10 @@ def test_out_of_memory_names_the_settings(rms, monkeypatch):
     def oom(**kwargs):
         raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
 
-    monkeypatch.setattr(rm, "model", oom)
+    monkeypatch.setattr(rm.rm, "model", oom)
     with pytest.raises(reward_model.RewardModelError, match="lower --reward-model-batch-size .now 4.|placement offload"):
         RewardScorer([spec])(COMPLETIONS[:2], [{"messages": MESSAGES[0]}] * 2)
-    reward_model._LOADED.pop(spec)
+    reward_model.forget(spec)
 
 
 def test_offload_keeps_it_off_the_device_between_scorings(rms):
@@ -216,3 +216,167 @@ def test_conditions_name_reward_models():
     assert (c.target, c.source) == ("model:/m/rm", "model:/m/guard@safe")
     with pytest.raises(ValueError, match="with TARGET and SOURCE among the rewards"):
         Condition.parse("model:/m/other:correct>=1", names)
+
+
+# What the second review found ------------------------------------------------------------------------
+
+GEMMA_LIKE = ("{% if messages[0]['role'] == 'system' %}{{ raise_exception('System role not supported') }}{% endif %}"
+              "{% for m in messages %}{{ '<turn>' + m['role'] + '\n' + m['content'] + '<end>\n' }}{% endfor %}")
+
+
+def test_a_template_that_cannot_write_the_tasks_conversation_is_refused_before_training(tmp_path):
+    """Every built-in task opens with a system turn, which Gemma-style templates refuse: the reward would be NaN at
+    every step. It is refused in one line before any weights load, by train.py and by eval.py's scorer."""
+    from transformers import AutoTokenizer
+
+    path = build_llama(tmp_path / "gemma_like")
+    tok = AutoTokenizer.from_pretrained(path)
+    tok.chat_template = GEMMA_LIKE
+    tok.save_pretrained(path)
+    reward_model.forget(f"model:{path}")
+    message = refusal(["--preset", "smoke", "--rewards", f"format,model:{path}", "--output-dir", str(tmp_path / "run")])
+    assert "cannot write this task's conversation" in message and "System role not supported" in message
+    with pytest.raises(reward_model.RewardModelError, match="cannot write"):
+        RewardScorer([f"model:{path}"]).check_conversation(MESSAGES[0])
+    RewardScorer([f"model:{path}"]).check_conversation(MESSAGES[1])  # no system turn: written
+
+
+def test_a_score_does_not_depend_on_its_batch_when_the_config_has_its_own_pad_id(tmp_path):
+    """transformers' classifiers read the score at the last token that is not config.pad_token_id; padding with
+    another id (the tokenizer's) put a shorter conversation's score at a padding position."""
+    from transformers import AutoConfig
+
+    path = build_llama(tmp_path / "own_pad")
+    config = AutoConfig.from_pretrained(path)
+    config.pad_token_id = 3  # a byte the conversations here never hold, not the tokenizer's <|pad|>
+    config.save_pretrained(path)
+    spec = f"model:{path}"
+    short, long = "red", "a much longer answer " * 4
+    ex = {"messages": MESSAGES[1]}
+    alone = fresh(spec)
+    alone.prepare([short], [ex])
+    want = alone(short, ex)
+    together = fresh(spec)
+    together.place(batch_size=2)
+    together.prepare([short, long], [ex, ex])
+    assert together(short, ex) == pytest.approx(want, abs=1e-6)
+
+
+def test_scores_come_from_an_fp32_head_not_rounded_to_bf16(rms):
+    """A bf16 score has steps of 1/16 between 8 and 16: ties that flatten GDPO's per-reward z-scores. The hidden
+    states run in bf16, the projection to the label in fp32."""
+    spec = f"model:{rms['llama']}"
+    rm = fresh(spec)
+    rm.place(dtype=torch.bfloat16, batch_size=8)
+    with torch.no_grad():
+        rm.model.score.weight.mul_(400)  # scores of about +-10
+    completions, messages = zip(*pairs())
+    examples = [{"messages": m} for m in messages]
+    rm.prepare(list(completions), examples)
+    scores = [rm(c, ex) for c, ex in zip(completions, examples)]
+    assert max(abs(s) for s in scores) > 4
+    assert any(float(torch.tensor(s).to(torch.bfloat16)) != s for s in scores)  # not on bf16's grid
+    for c, ex, s in zip(completions, examples, scores):
+        ids = torch.tensor([rm.encode(ex["messages"], c)[0]])
+        with torch.no_grad():
+            h = rm.model.model(input_ids=ids).last_hidden_state[0, -1]   # bf16
+        assert s == pytest.approx(torch.nn.functional.linear(h.float(), rm.model.score.weight.float()).item(), abs=1e-4)
+    reward_model.forget(spec)
+
+
+def test_two_labels_of_one_model_share_its_weights_and_its_forward(rms, monkeypatch):
+    safe, unsafe = f"model:{rms['guard']}@safe", f"model:{rms['guard']}@unsafe"
+    reward_model.forget(safe)
+    a, b = reward_model.get(safe), reward_model.get(unsafe)
+    a.place()
+    assert a.model is b.model
+    forwards = []
+    monkeypatch.setattr(a.rm, "logits", lambda convs, f=a.rm.logits: forwards.append(len(convs)) or f(convs))
+    out, _ = RewardScorer([safe, unsafe])(["fine", "no"], [{"messages": MESSAGES[1]}] * 2)
+    assert forwards == [2] and torch.allclose(out[:, 0] + out[:, 1], out[:, 0] + out[:, 1])
+    assert (out[:, 0] != out[:, 1]).all()
+    reward_model.forget(safe)
+
+
+def build_bert(path):
+    """An encoder classifier without a chat template, its tokenizer making [CLS] A [SEP] B [SEP] pairs."""
+    from tokenizers import Tokenizer, models as tok_models, pre_tokenizers, processors
+    from transformers import BertConfig, BertForSequenceClassification, PreTrainedTokenizerFast
+
+    words = ["[PAD]", "[UNK]", "[CLS]", "[SEP]"] + [chr(c) for c in range(33, 127)]
+    tok = Tokenizer(tok_models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Split("", "isolated")
+    tok.post_processor = processors.TemplateProcessing(single="[CLS] $A [SEP]", pair="[CLS] $A [SEP] $B:1 [SEP]:1",
+                                                       special_tokens=[("[CLS]", 2), ("[SEP]", 3)])
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="[PAD]", unk_token="[UNK]", cls_token="[CLS]",
+                                   sep_token="[SEP]", model_max_length=512)
+    config = BertConfig(vocab_size=len(words), hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                        intermediate_size=64, max_position_embeddings=512, num_labels=1, pad_token_id=0)
+    torch.manual_seed(3)
+    BertForSequenceClassification(config).save_pretrained(path)
+    fast.save_pretrained(path)
+    return str(path)
+
+
+def test_an_encoder_without_a_chat_template_scores_the_text_pair(tmp_path):
+    """BERT- and DeBERTa-style reward models take (question, answer): the prompt's text and the completion."""
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    path = build_bert(tmp_path / "bert")
+    spec = f"model:{path}"
+    rm = fresh(spec)
+    rm.place(batch_size=2)
+    ex = {"messages": MESSAGES[0]}
+    rm.prepare(["5", "it is 5"], [ex, ex])
+    tok, model = AutoTokenizer.from_pretrained(path), AutoModelForSequenceClassification.from_pretrained(path).eval()
+    enc = tok("Answer briefly.\n\nWhat is 2 + 3?", "it is 5", return_tensors="pt")
+    assert enc.input_ids[0, 0].item() == 2  # [CLS]
+    with torch.no_grad():
+        assert rm("it is 5", ex) == pytest.approx(model(**enc).logits[0, 0].item(), abs=1e-5)
+    reward_model.forget(spec)
+
+
+def test_an_encoder_is_never_sharded_by_auto_and_refused_in_one_line_by_shard(tmp_path, process_group):
+    from minigdpo import policy
+
+    path = build_bert(tmp_path / "bert")
+    spec = f"model:{path}"
+    reward_model.forget(spec)
+    with pytest.raises(reward_model.RewardModelError, match="cannot find the decoder layers.*--reward-model-placement "
+                                                            "resident"):
+        reward_model.get(spec).place(torch.device("cpu"), torch.float32, 2, "shard", policy.build_classifier)
+    reward_model.forget(spec)
+    rm = reward_model.get(spec)
+    rm.rm.place(torch.device("cpu"), torch.float32, 2, "auto", policy.build_classifier)
+    assert rm.rm.placement == "resident"
+    reward_model.forget(spec)
+
+
+def test_a_tokenizer_that_needs_a_missing_package_is_refused_in_one_line(rms, monkeypatch):
+    import transformers
+
+    def needs_package(*args, **kwargs):
+        raise ImportError("This tokenizer needs the sentencepiece library\nsee its install page")
+
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", needs_package)
+    spec = f"model:{rms['llama']}"
+    reward_model.forget(spec)
+    with pytest.raises(reward_model.RewardModelError, match="cannot load .*ImportError: This tokenizer needs"):
+        reward_model.get(spec)
+    reward_model.forget(spec)
+
+
+@pytest.mark.slow
+def test_a_failure_on_one_rank_stops_every_rank_in_one_line(rms, tmp_path):
+    """Sharded, a rank whose batch cannot be written skipped FSDP2's forward while the others waited in its
+    all-gathers until the collective timeout. The ranks agree on the failure first and all stop."""
+    from transformers import AutoTokenizer
+
+    path = build_llama(tmp_path / "picky")
+    tok = AutoTokenizer.from_pretrained(path)
+    tok.chat_template = ("{% for m in messages %}{% if 'FAIL' in m['content'] %}{{ raise_exception('cannot write "
+                         "FAIL') }}{% endif %}{{ m['role'] + ': ' + m['content'] + '\n' }}{% endfor %}")
+    tok.save_pretrained(path)
+    proc = run(["tests/reward_model_ranks.py", path], nproc=2, timeout=120)
+    for rank in (0, 1):
+        assert f"rank {rank} stopped: reward model" in proc.stdout and "rank 1: TemplateError" in proc.stdout, proc.stdout
