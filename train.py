@@ -3,9 +3,8 @@
 Each step:
   1. take B prompts (this rank's share of them);
   2. sample G completions for each;
-  3. score the R rewards into a (B, G, R) tensor;
-  4. all-gather the rewards, apply conditions (Eq. 8) and run the advantage estimator
-     over the global batch (GDPO: Eq. 4-6);
+  3. score the R rewards into a (B, G, R) tensor, all-gathered over the ranks;
+  4. apply conditions (Eq. 8) and run the advantage estimator over the global batch (GDPO: Eq. 4-6);
   5. compute the reference log-probs (and the old ones when num_iterations > 1);
   6. run num_iterations passes of micro-batched clipped-surrogate updates;
   7. push the new weights to the sampler;
@@ -14,7 +13,8 @@ Each step:
 With no other flag, `--estimator gdpo` runs the paper's released GSM8K recipe: Qwen2.5-1.5B-Instruct,
 rewards correct/integer/format, G=16, 512 completions per step, lr 5e-6 cosine with 10% warmup, beta
 0.04, clip 0.2, 512/1024 prompt/completion tokens, its trl-0.18 loss normaliser (bnpo). Departures,
-all deliberate: NaN rewards are left out of group statistics instead of counting as 0; GSM8K answers
+all deliberate: under GDPO a NaN reward is left out of its group's statistics instead of counting as 0
+(summed, as under GRPO, it adds 0, as in TRL: minigdpo/advantages.py); GSM8K answers
 with thousands separators equal the bare digits; on GPUs vLLM samples inside each rank (TRL's colocate
 mode). With LoRA (--lora-rank R) only adapters train; step 5's reference is the model with its
 adapters off, and step 7 pushes the merged weights (minigdpo/lora.py).
@@ -40,7 +40,7 @@ import torch
 from tqdm import tqdm
 
 from minigdpo import checkpoint, config, dist, lora, models, policy
-from minigdpo.advantages import Condition, apply_conditions, distinct_per_group
+from minigdpo.advantages import Condition, apply_conditions, distinct_per_group, per_reward_stats
 from minigdpo.estimators import ESTIMATORS, informative_groups
 from minigdpo.data import DataError
 from minigdpo.rollout import sample_groups, timed
@@ -169,6 +169,7 @@ def run_training(argv=None):
                 "adv/mean": adv_all.mean().item(), "adv/std": adv_all.std().item(),
                 "adv/distinct_per_group": distinct_per_group(adv_all).float().mean().item(),
                 "adv/zero_groups": (adv_all.abs().amax(dim=1) < 1e-6).float().mean().item(),
+                **per_reward_stats(shaped, names),
                 "throughput/update_tokens_per_s": work / max(seconds["update"], 1e-9),
                 "throughput/update_tflops_per_device": flops_per_token * work / max(seconds["update"], 1e-9) / 1e12
                 / dist.world_size()}

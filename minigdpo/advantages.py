@@ -7,8 +7,8 @@ Every estimator is a pure function with one signature:
     advantages = estimator(rewards, weights, lengths=None)   # rewards (B, G, R), weights (R,) -> (B, G)
 
 Shape legend: B prompts, G samples per prompt (the group), R reward functions.
-`lengths` (B, G) gives each completion's length in tokens; only `gdpo_verl` reads it
-(its batch step weighs each sample by its tokens), the others ignore it.
+`lengths` (B, G) gives each completion's length in tokens; `gdpo_verl`, `gd2po` and `saw_gdpo` read
+it (their batch step whitens over tokens, so each sample weighs its length), the others ignore it.
 
 Rules shared by grpo, grpo_no_std and gdpo (they match the paper's released TRL code,
 NVlabs/GDPO trl-0.18.0-gdpo/trl/trainer/grpo_trainer.py, on NaN-free input):
@@ -21,9 +21,13 @@ gdpo_verl and gdpo_nemo reproduce the other released GDPOs; their docstrings say
 they depart from these rules. Each estimator has a loop-over-groups twin in
 minigdpo/advantages_naive.py, the tests' oracle.
 
-NaN marks a reward that does not apply to a sample. It is left out of its group's
-statistics and contributes 0 to that sample's advantage. A group in which a reward is
-constant (or has fewer than two values) carries no signal for it and gives exactly 0.
+NaN marks a reward that does not apply to a sample. The estimators that normalise each
+reward (gdpo and its peers) leave it out of its group's statistics, and it contributes 0 to
+that sample's advantage. Those that sum the rewards first (grpo, grpo_no_std, saw_grpo) add a
+NaN reward as 0, as TRL's nansum does: in the group (NaN, 1), (0, 1), (1, 1) the first sample
+gets exactly the advantage of (0, 1). Under every estimator a sample whose rewards are all NaN
+gets 0 and stays out of the statistics. A group in which a reward is constant (or has fewer
+than two values) carries no signal for it and gives exactly 0.
 
 Conditioned rewards (Eq. 8) rewrite the reward tensor before any estimator runs:
 see `Condition` and `apply_conditions` at the end of the file.
@@ -235,6 +239,11 @@ def gdpo_nemo(rewards, weights=None, eps=NEMO_EPS, lengths=None, leave_one_out=T
     rewards' order; it computes the spread as E[x^2] - E[x]^2, which can round a zero to a
     tiny positive number, here a zero spread is detected exactly; NaN rewards follow this
     module's rules (a sample with no reward gets 0 and stays out of the batch statistics).
+
+    The exact test is the fixed side of NVIDIA-NeMo/RL #4158: a group that splits 7 against 1 on a reward that
+    float32 cannot hold (0.35, 0.4) gives the singleton others with a spread of 0, which sqrt(E[x^2] - E[x]^2)
+    in float32 rounds to about 1.6e-4, and before that fix the singleton's advantage was divided by it (a run
+    saw advantages of 7,428). Here it keeps its raw difference r - b, in float32 and float64 alike.
     """
     a_sum = gdpo_nemo_group(rewards, weights, eps, leave_one_out)    # (B, G)
     has_reward = ~torch.isnan(rewards).all(dim=-1)                   # (B, G)
@@ -252,6 +261,18 @@ def gdpo_nemo_group(rewards, weights=None, eps=NEMO_EPS, leave_one_out=True):
         raise ValueError("gdpo_nemo needs two or more rewards, as NeMo-RL's GDPO estimator does; use grpo for one")
     per_reward = leave_one_out_zscore(rewards, eps) if leave_one_out else group_zscore(rewards, eps)  # (B, G, R)
     return (per_reward * _weights(rewards, weights)).sum(dim=-1)     # (B, G)
+
+
+def per_reward_stats(rewards, names):
+    """Each reward's own group advantage (Eq. 4, whatever the estimator) over the batch: its std and the share of
+    rollouts where it is 0, the signal that reward gives. rewards: (B, G, R) after conditions."""
+    a_k = group_zscore(rewards)                                      # (B, G, R)
+    flat = a_k.reshape(-1, a_k.shape[-1])                            # (B*G, R)
+    out = {}
+    for k, name in enumerate(names):
+        out[f"adv/{name}/std"] = flat[:, k].std().item() if flat.shape[0] > 1 else 0.0
+        out[f"adv/{name}/zero_frac"] = (flat[:, k].abs() < 1e-6).double().mean().item()
+    return out
 
 
 def distinct_per_group(advantages, decimals=4):

@@ -9,7 +9,7 @@ import argparse
 import ast
 import inspect
 import math
-from dataclasses import MISSING, asdict, dataclass, field, fields  # noqa: F401  (fields is used by callers)
+from dataclasses import MISSING, asdict, dataclass, field, fields
 
 from minigdpo.estimators import ESTIMATORS
 from minigdpo.update import AGGREGATIONS, TRL_NAMES

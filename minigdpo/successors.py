@@ -63,6 +63,11 @@ def gd2po(rewards, weights=None, eps=VERL_EPS, lengths=None, mode="snr", tau=0.8
     |rho| < tau. tau is 0.8 in the released scripts (tool-calling/scripts/*/train_gd2po_snr.sh) and 0.2 in
     the yaml default; 0.8 here. If no rollout is kept every advantage is 0, as in the code.
 
+    The code takes a group's mean in float32: at G = 8 the mean of a reward that is the same for every member is
+    one rounding step off for about 42% of values (torch 2.13, CPU), so every member gets a spurious advantage
+    (up to about 0.19) and the filter sees spurious conflicts (its released scripts use G = 4, where the mean is
+    exact). minigdpo computes in float64 and tests a constant group exactly: 0, which is right.
+
     Reproduces Qwen-Applications/GD2PO tool-calling/verl/trainer/ppo/ray_trainer.py: mode "hard" is
     adv_estimator gdpo_filter_group_ratio, "snr" is gdpo_filter_ratio_conflict_group_ratio (compute_advantage,
     _compute_gdpo_ratio_conflict_advantages, _get_mixed_sign_conflict_mask, _compute_gdpo_group_keep_ratio,

@@ -9,9 +9,10 @@ tokens.
     kl      = exp(ref - logp) - (ref - logp) - 1          (k3, unbiased and >= 0)
     loss_t  = pg + beta * kl                              per token, then aggregated
 
-Aggregations (`agg`), each also known by its TRL `loss_type` name:
+Aggregations (`agg`), each also known by its TRL `loss_type` name (TRL 1.16's names, which the oracle test
+runs; the paper's trl-0.18 code has all but dapo):
 
-| agg                       | TRL 1.16 | one micro-batch's loss                                   |
+| agg                       | TRL      | one micro-batch's loss                                   |
 |---------------------------|----------|----------------------------------------------------------|
 | "micro_batch_token_mean"  | bnpo     | sum / this micro-batch's tokens / micro-batches per step |
 | "token_mean"              | dapo     | sum / tokens of the whole global batch                   |

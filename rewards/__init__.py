@@ -14,7 +14,7 @@ the ground truth under the keys its rewards read. A reward is a plain function
 | code        | code.py        | pass, length_ok, no_bug  | built in: code_problems.jsonl (24 problems), or rows  |
 
 Built-in rewards and tasks are registered here, in one place, by name; `get("module:function")`
-also loads a user's own reward, and `register` adds one under a name.
+also loads a user's own reward (`--rewards correct,mypkg.rewards:polite`: docs/tasks.md, "Your own reward").
 
 The scorer never lets a reward crash training. A reward that raises, runs past its time limit, or
 returns something that is not a finite number counts as None (NaN in the tensor, so the
@@ -109,26 +109,9 @@ class Reward:
     prepare: Optional[Callable] = None  # a batch hook, prepare(completions, examples), run before fn
 
 
-_REGISTRY = {}  # names added with register()
-
-
-def register(name):
-    """Decorator: register `fn(completion, example)` under `name` (a name no built-in reward has)."""
-
-    def wrap(fn):
-        if name in BUILTIN or (name in _REGISTRY and _REGISTRY[name].fn is not fn):
-            raise ValueError(f"reward {name!r} is already registered")
-        _REGISTRY[name] = Reward(name, fn, getattr(fn, "prepare", None))
-        return fn
-
-    return wrap
-
-
 def get(name):
-    """The Reward registered as `name`, a user's function given as `module.path:function`, or a reward model
+    """The built-in reward `name`, a user's function given as `module.path:function`, or a reward model
     given as `model:PATH[@LABEL]` (rewards/reward_model.py)."""
-    if name in _REGISTRY:
-        return _REGISTRY[name]
     if name.startswith("model:"):
         scorer = reward_model.get(name)
         return Reward(name, scorer, scorer.prepare)
@@ -143,7 +126,7 @@ def get(name):
 
 
 def names():
-    return sorted(set(BUILTIN) | set(_REGISTRY))
+    return sorted(BUILTIN)
 
 
 # The scorer ------------------------------------------------------------------------------------

@@ -115,6 +115,29 @@ def test_nan_is_left_out_of_group_statistics_and_gives_zero():
     assert a[0].tolist() == pytest.approx([z, -z, 0.0], abs=1e-6)
 
 
+@pytest.mark.parametrize("name", ["grpo", "grpo_no_std", "saw_grpo"])
+def test_summing_estimators_add_a_nan_reward_as_zero(name):
+    """GRPO sums the rewards first (TRL's nansum): (NaN, 1) is compared as (0, 1); GDPO leaves it out instead."""
+    r = torch.tensor([[[math.nan, 1.0], [0.0, 1.0], [1.0, 1.0]]], dtype=torch.float64)
+    a = ESTIMATORS[name](r, None)
+    assert a[0, 0].item() == a[0, 1].item() != 0.0
+    g = ESTIMATORS["gdpo"](r, None)
+    assert g[0, 0].item() != g[0, 1].item()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_gdpo_nemo_keeps_a_singletons_raw_difference_when_its_others_agree(dtype):
+    """7 against 1 on a reward float32 cannot hold: the others' spread is 0, which E[x^2] - E[x]^2 rounds to about
+    1.5e-4 in float32, and dividing by it gave NeMo-RL advantages in the thousands before its #4158. minigdpo's
+    exact test keeps r - b = 0.4, in float32 and float64."""
+    from minigdpo.advantages import gdpo_nemo_group
+
+    r = torch.tensor([[[0.35, 0.0]] * 7 + [[0.75, 0.0]]], dtype=dtype)
+    a = gdpo_nemo_group(r)
+    assert a[0, 7].item() == pytest.approx(0.4, abs=1e-6)
+    assert a.abs().max().item() < 1.0
+
+
 def test_constant_reward_gives_exact_zero_for_that_reward():
     r = torch.tensor([[[0.1, 1.0], [0.1, 0.0], [0.1, 1.0]]])  # 0.1 does not sum exactly in floating point
     a_k_only_second = gdpo(r[..., 1:], single_reward_grpo=False)  # the same batch step, one reward

@@ -11,7 +11,7 @@ import pytest
 
 import rewards as registry
 from helpers import RANGES
-from rewards import RewardScorer, register
+from rewards import RewardScorer
 from rewards.gsm8k import answer_from_solution, correct_reward, format_reward, integer_reward
 from rewards.length import length_ok
 from rewards.toolcall import call_score, overlap, tool_correct, tool_format, tool_format_strict
@@ -213,8 +213,6 @@ def test_registry_names_and_errors():
             "tool_correct"} <= set(registry.names())
     with pytest.raises(ValueError, match="unknown reward 'nope'"):
         registry.get("nope")
-    with pytest.raises(ValueError, match="already registered"):
-        register("format")(lambda c, e: 0.0)
     assert registry.get("rewards.gsm8k:format_reward").fn is format_reward
     with pytest.raises(ValueError, match="cannot load reward"):
         registry.get("rewards.gsm8k:missing")
@@ -232,26 +230,46 @@ def hangs(c, e):
             pass
 
 
-def test_scorer_turns_every_failure_into_nan_and_counts_it(capsys, monkeypatch):
-    bad = {"raises": raises, "nan": lambda c, e: math.nan, "inf": lambda c, e: math.inf,
-           "text": lambda c, e: "1.0", "none": lambda c, e: None, "ok": lambda c, e: len(c), "hangs": hangs}
-    for name, fn in bad.items():
-        monkeypatch.setitem(registry._REGISTRY, "t_" + name, registry.Reward("t_" + name, fn))
-    names = ["t_" + n for n in bad]
+def t_nan(c, e):
+    return math.nan
+
+
+def t_inf(c, e):
+    return math.inf
+
+
+def t_text(c, e):
+    return "1.0"
+
+
+def t_none(c, e):
+    return None
+
+
+def t_ok(c, e):
+    return len(c)
+
+
+t_raises, t_hangs = raises, hangs
+
+
+def test_scorer_turns_every_failure_into_nan_and_counts_it(capsys):
+    bad = ["raises", "nan", "inf", "text", "none", "ok", "hangs"]
+    names = [f"tests.test_rewards:t_{n}" for n in bad]
     scorer = RewardScorer(names, timeout=0.05, max_timeouts=2)
     t = time.perf_counter()
     out, stats = scorer(["a", "bb", "ccc", "dddd"], [{}] * 4)
     assert time.perf_counter() - t < 2.0
     assert out.shape == (4, 7)
-    assert out[:, names.index("t_ok")].tolist() == [1.0, 2.0, 3.0, 4.0]
-    others = [k for k, n in enumerate(names) if n != "t_ok"]
+    assert out[:, names.index("tests.test_rewards:t_ok")].tolist() == [1.0, 2.0, 3.0, 4.0]
+    others = [k for k, n in enumerate(names) if not n.endswith("t_ok")]
     assert out[:, others].isnan().all()
-    assert stats["t_raises"]["errors"] == 4
-    assert stats["t_nan"]["invalid"] == 4 and stats["t_inf"]["invalid"] == 4 and stats["t_text"]["invalid"] == 4
-    assert stats["t_none"]["none"] == 4
-    assert stats["t_hangs"]["timeouts"] == 4  # 2 timed out, then 2 skipped
+    assert stats["tests.test_rewards:t_raises"]["errors"] == 4
+    assert stats["tests.test_rewards:t_nan"]["invalid"] == 4 and stats["tests.test_rewards:t_inf"]["invalid"] == 4 and stats["tests.test_rewards:t_text"]["invalid"] == 4
+    assert stats["tests.test_rewards:t_none"]["none"] == 4
+    assert stats["tests.test_rewards:t_hangs"]["timeouts"] == 4  # 2 timed out, then 2 skipped
     err = capsys.readouterr().err
-    assert err.count("'t_raises' raised KeyError") == 1  # warned once, not per sample
+    assert err.count("'tests.test_rewards:t_raises' raised KeyError") == 1  # warned once, not per sample
     assert "ran past its 0.05 s limit" in err
     # the scorer is reusable and warns only once per reward across batches
     scorer(["a"], [{}])
