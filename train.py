@@ -39,12 +39,12 @@ from collections import deque
 import torch
 from tqdm import tqdm
 
-from minigdpo import checkpoint, config, dist, lora, models, policy
+from minigdpo import checkpoint, config, dist, lora, microbatch, models, policy
 from minigdpo.advantages import Condition, apply_conditions, distinct_per_group, per_reward_stats
 from minigdpo.estimators import ESTIMATORS, informative_groups
 from minigdpo.data import DataError
 from minigdpo.rollout import sample_groups, timed
-from minigdpo.update import fill_logprobs, micro_batches, model_tokens, optimizer, scheduler, step_metrics, update
+from minigdpo.update import fill_logprobs, optimizer, scheduler, step_metrics, update
 from minigdpo.vllm_sampler import SamplerUnavailable, make_sampler, resolve_kind
 from rewards import PromptOrder, RewardScorer, load_task
 from rewards.reward_model import RewardModelError
@@ -79,12 +79,14 @@ def run_training(argv=None):
     scorer.place_models(device, dtype, cfg.reward_model_batch_size, cfg.reward_model_placement, policy.build_classifier)
     model = policy.build(path, device, dtype, cfg.grad_checkpointing, lora=adapters)
     ref = policy.build(path, device, dtype, frozen=True, offload=cfg.ref_offload) if cfg.beta > 0 and not adapters else None
+    lm_config = model.lm.config
     opt = optimizer(model, cfg.lr, cfg.weight_decay)  # the parameters that require grad: with LoRA, the adapters
     n_trainable, n_params = lora.trainable_count(model)  # global counts, also under FSDP
     dist.print0(f"parameters: {n_params:,}, trainable: {n_trainable:,}")
     # Model FLOPs per token of an update pass: forward 2N, input gradients 2N, weight gradients 2 per trainable
     # parameter (6N in full fine-tuning; LoRA's frozen weights get none). Recomputation is not counted (MFU).
     flops_per_token = 4 * n_params + 2 * n_trainable
+    attention_flops = 12 * lm_config.num_hidden_layers * lm_config.hidden_size  # per causal (query, key) pair
     sched = scheduler(opt, derived.total_steps * cfg.num_iterations, cfg.warmup_ratio, cfg.lr_schedule)
     stop_ids = models.stop_token_ids(model.lm.config, model.lm.generation_config, tokenizer)
     sampler = make_sampler(cfg.sampler, path, device, tokenizer, stop_ids, dtype, seed=cfg.seed + dist.rank(),
@@ -114,7 +116,7 @@ def run_training(argv=None):
                                   **options)
 
     log = Logger(cfg.output_dir, derived.total_steps, start, run, cfg.wandb)
-    G, rank = cfg.group_size, dist.rank()
+    rank = dist.rank()
 
     for step in range(start + 1, derived.total_steps + 1):
         seconds, t_step = {}, time.perf_counter()
@@ -126,22 +128,21 @@ def run_training(argv=None):
         groups, K = sampled.groups, len(sampled.rewards)  # K: the same on every rank, a multiple of the world size
         if K:  # the trainer gets the accelerator's memory; a sleeping vLLM drops its weights until step 7's sync
             sampler.sleep()
-        completions = [c for g in groups for c in g["completions"]]            # S = K / world * G
 
         # 4. Advantages over the global batch (GDPO's batch step must see every rank's groups).
         rewards, lengths = sampled.rewards, sampled.lengths                    # (K, G, R), (K, G)
         shaped = apply_conditions(rewards, names, conditions)                  # (K, G, R) Eq. 8
         adv_all = ESTIMATORS[cfg.estimator](shaped, weights.to(rewards.device), lengths=lengths, **options)  # (K, G)
         first, last = rank * K // dist.world_size(), (rank + 1) * K // dist.world_size()
-        adv = adv_all[first:last].reshape(-1).float().cpu()                    # (S,)
+        adv = adv_all[first:last].float().cpu()                                 # (K / world, G) this rank's groups
 
         if K == 0:  # --dynamic-sampling at its cap found no group to learn from: no update this step
             totals = None
         else:
             # 5. Reference (and old) log-probs, one no-grad pass in micro-batches.
             with timed(seconds, "logprob"):
-                seq_prompts = [g["prompt"] for g in groups for _ in range(G)]
-                batches = micro_batches(seq_prompts, completions, adv, cfg.micro_batch_size, tokenizer.pad_token_id, device, G)
+                mine = [(g["prompt"], g["completions"], a) for g, a in zip(groups, adv)]
+                batches = microbatch.cut(mine, cfg, tokenizer.pad_token_id, device, cfg.padding_free and model.shares_prefix)
                 if ref is not None:
                     fill_logprobs(ref, batches, "ref_logp", cfg, reshard=True)
                 elif adapters and cfg.beta > 0:
@@ -152,8 +153,7 @@ def run_training(argv=None):
 
             # 6. The policy update: num_iterations optimizer steps over the micro-batches.
             with timed(seconds, "update"):
-                tokens = max(1.0, dist.all_reduce(sum(mb["mask"].sum() for mb in batches).reshape(1)).item())
-                totals = update(model, opt, sched, batches, cfg, tokens / dist.world_size(), len(completions))
+                totals = update(model, opt, sched, batches, cfg)
 
             # 7. The sampler gets the new weights, streamed one whole tensor at a time.
             with timed(seconds, "sync"):
@@ -162,17 +162,11 @@ def run_training(argv=None):
         # 8. Log, and checkpoint when due. Rewards and lengths describe every completion sampled this step.
         m = reward_metrics(sampled.all_rewards, names, sampled.counts) | sampled.stats
         if totals is not None:
-            # Tokens through the model in the update, every rank and all num_iterations passes.
-            work = cfg.num_iterations * dist.all_reduce(torch.tensor([model_tokens(batches, model.shares_prefix)],
-                                                                     dtype=torch.float64)).item()
-            m |= step_metrics(totals) | {
+            m |= step_metrics(totals) | throughput(batches, model, cfg, flops_per_token, attention_flops, seconds) | {
                 "adv/mean": adv_all.mean().item(), "adv/std": adv_all.std().item(),
                 "adv/distinct_per_group": distinct_per_group(adv_all).float().mean().item(),
                 "adv/zero_groups": (adv_all.abs().amax(dim=1) < 1e-6).float().mean().item(),
-                **per_reward_stats(shaped, names),
-                "throughput/update_tokens_per_s": work / max(seconds["update"], 1e-9),
-                "throughput/update_tflops_per_device": flops_per_token * work / max(seconds["update"], 1e-9) / 1e12
-                / dist.world_size()}
+                **per_reward_stats(shaped, names)}
             if m["sampler/logp_gap"] > gap_warn:
                 log.write(f"warning: step {step}: sampler/trainer log-prob gap {m['sampler/logp_gap']:.3g} > "
                           f"{gap_warn:g} (stale or broken weight sync?)", error=True)
@@ -187,7 +181,7 @@ def run_training(argv=None):
         log.log(step, m)
         if cfg.samples_every and step % cfg.samples_every == 0 and groups:
             log.samples(step, [{"prompt": tokenizer.decode(groups[0]["prompt"], skip_special_tokens=True)[-300:],
-                                "completion": c.text, "advantage": adv[i].item(),
+                                "completion": c.text, "advantage": adv[0, i].item(),
                                 "rewards": dict(zip(names, groups[0]["rewards"][i].tolist()))}
                                for i, c in enumerate(groups[0]["completions"][:4])])
         if (cfg.save_every and step % cfg.save_every == 0) or step == derived.total_steps:
@@ -210,6 +204,21 @@ def run_training(argv=None):
         evaluation.after_training(cfg, sampler, tokenizer)
     dist.barrier()  # every rank got here: main's cleanup may close the connections
     sampler.close()  # a vLLM engine shuts down while the process group it joined is still up
+
+
+def throughput(batches, model, cfg, flops_per_token, attention_flops, seconds):
+    """The update's work, every rank's: real tokens (each prompt once where the model shares it, every completion
+    token) and the positions computed, padding included, whose difference is throughput/padding_frac; TFLOP/s
+    on the real tokens only, with attention's 12 x layers x hidden per causal (query, key) pair."""
+    shared = model.shares_prefix
+    real, computed, pairs = dist.all_reduce(torch.tensor([[mb.real_tokens(shared), mb.model_tokens(shared), mb.pairs]
+                                                          for mb in batches], dtype=torch.float64).sum(0)).tolist()
+    passes, secs = cfg.num_iterations, max(seconds["update"], 1e-9)
+    return {"throughput/update_tokens_per_s": passes * real / secs, "throughput/padding_frac": 1 - real / max(computed, 1),
+            "throughput/tokens_per_micro_batch": computed / max(1, len(batches) * dist.world_size()),
+            "throughput/update_tflops_per_device": passes * (flops_per_token * real + attention_flops * pairs) / secs
+            / 1e12 / dist.world_size(), "throughput/attention_flops_frac": attention_flops * pairs
+            / max(flops_per_token * real + attention_flops * pairs, 1)}
 
 
 def estimator_options(cfg):

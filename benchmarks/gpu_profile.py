@@ -38,7 +38,8 @@ from gpu_proxies import add_shape_args, shape  # noqa: E402
 from minigdpo import dist, policy  # noqa: E402
 from minigdpo.config import Config  # noqa: E402
 from minigdpo.sampler import Completion  # noqa: E402
-from minigdpo.update import micro_batches, optimizer, scheduler, update  # noqa: E402
+from minigdpo.microbatch import micro_batches  # noqa: E402
+from minigdpo.update import optimizer, scheduler, update  # noqa: E402
 
 MATMUL_WORDS = ("gemm", "cutlass", "cublas", "nvjet", "xmma", "wgmma")
 ATTENTION_WORDS = ("flash", "fmha", "attention", "attn", "flex")
@@ -70,13 +71,13 @@ def work(n_seqs, group, prompt_len, completion_len, seed=0):
 def batches_of(prompts, comps, adv, size, group, device):
     out = micro_batches(prompts, comps, adv, size, 257, device, group)
     for mb in out:
-        mb["ref_logp"] = mb["sampler_logp"]  # the KL term's arithmetic, without a reference model's pass
+        mb.ref_logp = mb.sampler_logp  # the KL term's arithmetic, without a reference model's pass
     return out
 
 
 def tokens_of(batches):
     """Tokens through the model: each distinct prompt once per micro-batch, every completion token."""
-    return sum(mb["prompt_mask"].sum().item() + mb["mask"].sum().item() for mb in batches)
+    return sum(mb.prompt_mask.sum().item() + mb.mask.sum().item() for mb in batches)
 
 
 def union(intervals):
@@ -132,11 +133,9 @@ def sync_sites(model, opt, sched, batches, cfg):
 
 
 def timed_update(model, opt, sched, batches, cfg):
-    tokens = sum(mb["mask"].sum().item() for mb in batches)
-    seqs = sum(mb["mask"].shape[0] for mb in batches)
     torch.cuda.synchronize()
     t = time.perf_counter()
-    update(model, opt, sched, batches, cfg, tokens, seqs)
+    update(model, opt, sched, batches, cfg)
     torch.cuda.synchronize()
     return time.perf_counter() - t
 

@@ -35,7 +35,8 @@ sys.path.insert(0, ROOT)
 from minigdpo import checkpoint, dist, logprobs, models, policy  # noqa: E402
 from minigdpo.config import Config  # noqa: E402
 from minigdpo.sampler import Completion, HFSampler, SamplingParams, sync_every  # noqa: E402
-from minigdpo.update import fill_logprobs, micro_batches, optimizer, scheduler, update  # noqa: E402
+from minigdpo.microbatch import micro_batches  # noqa: E402
+from minigdpo.update import fill_logprobs, optimizer, scheduler, update  # noqa: E402
 
 MB = 1024**2
 SAFETENSORS_DTYPES = {"BF16": "bfloat16", "F16": "float16", "F32": "float32"}
@@ -214,9 +215,8 @@ def prefix_gradients_match(path, device, mb, args):
     for share in (True, False):
         model.zero_grad(set_to_none=True)
         model.shares_prefix = share  # False: one full sequence per completion (LogProbModel.forward)
-        logp = model(mb["prompt_ids"], mb["prompt_mask"], mb["repeats"], mb["completion_ids"], mb["mask"],
-                     1.0, args.chunk, False)                                       # (n, T)
-        (logp * mb["adv"][:, None]).sum().backward()
+        logp = model(mb, 1.0, args.chunk, False)                                       # (n, T)
+        (logp * mb.adv[:, None]).sum().backward()
         grads.append([p.grad.to_local().clone() for p in model.parameters()])
     diff = max((a - b).abs().max().item() for a, b in zip(*grads))
     scale = max(b.abs().max().item() for b in grads[1])
@@ -335,11 +335,10 @@ def main(argv=None):
         floor = bf16_bytes / world + layer_params * 2
         row(f"reference bytes resident per rank after its pass{label} (MB)", f"{total / MB:.1f} "
             f"({whole / MB:.1f} unsharded)", f"<= {floor / MB:.1f}", total <= floor)
-    tokens = dist.all_reduce(sum(mb["mask"].sum() for mb in batches).reshape(1)).item()
     opt = optimizer(model, 1e-5, 0.0)
     sched = scheduler(opt, 10, 0.0, "constant")
     with Collectives() as coll, MatmulFlops() as flops:
-        update(model, opt, sched, batches, cfg, tokens / world, sum(mb["mask"].shape[0] for mb in batches))
+        update(model, opt, sched, batches, cfg)
     n_mb = len(batches)
     per_layer = coll.per_layer(coll.gathers) / n_mb
     grad_diff = prefix_gradients_match(path, device, batches[0], args)

@@ -99,20 +99,20 @@ def main(argv=None):
                  f"unsharded), allocated {(torch.cuda.memory_allocated() - before) / GIB:+.3f} by the pass",
                  f"{n_params * 2 / GIB:.2f} (one bf16 copy)"))
 
-    opt, tokens = optimizer(model, 1e-6, 0.0), sum(mb["mask"].sum().item() for mb in batches)
-    sched, seqs = scheduler(opt, 10, 0.0, "constant"), sum(mb["mask"].shape[0] for mb in batches)
-    update(model, opt, sched, batches, cfg, tokens, seqs)  # warm-up: kernels chosen, optimizer state allocated
+    opt = optimizer(model, 1e-6, 0.0)
+    sched = scheduler(opt, 10, 0.0, "constant")
+    update(model, opt, sched, batches, cfg)  # warm-up: kernels chosen, optimizer state allocated
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     t0 = time.perf_counter()
-    update(model, opt, sched, batches, cfg, tokens, seqs)
+    update(model, opt, sched, batches, cfg)
     torch.cuda.synchronize()
     seconds = time.perf_counter() - t0
     rows.append(("update: seconds, peak allocated GiB", f"{seconds:.3f} s, {torch.cuda.max_memory_allocated() / GIB:.2f}",
                  f"{len(batches)} micro-batches of {args.micro_batch}, grad checkpointing"))
     with Collectives() as coll, profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA],
                                         record_shapes=True) as prof:
-        update(model, opt, sched, batches, cfg, tokens, seqs)
+        update(model, opt, sched, batches, cfg)
         torch.cuda.synchronize()
     n_mb = len(batches)
     rows.append(("all-gathers / reduce-scatters per decoder layer per micro-batch",

@@ -58,6 +58,9 @@ class Config:
     """Completions per step over all ranks (prompts per step x group_size). Must divide by world size x group_size."""
     micro_batch_size: int = 16
     """Sequences per forward/backward pass on one rank; gradient accumulation covers the rest."""
+    micro_batch_tokens: int = 0
+    """Tokens per pass instead (a prompt once, then its completions), whole groups, longest first; 0: by count.
+    Under bnpo (the default loss_agg) each micro-batch weighs the same, so the budget moves the loss; dapo's not."""
     num_iterations: int = 1
     """Optimizer passes over each sampled batch (mu in GRPO). 1 skips the old log-prob pass."""
     dynamic_sampling: bool = False
@@ -122,8 +125,7 @@ class Config:
 
     # LoRA (needs peft: pip install 'minigdpo[lora]')
     lora_rank: int = 0
-    """LoRA rank R: train rank-R adapters on the frozen base model instead of every weight. 0: full fine-tuning.
-    The reference is then the same model with its adapters switched off (no second copy)."""
+    """LoRA rank R: rank-R adapters on the frozen base, whose adapters-off self is the reference. 0: full tuning."""
     lora_alpha: float = 32.0
     """LoRA scale numerator: each adapted layer computes W x + (alpha / R) B A x."""
     lora_dropout: float = 0.0
@@ -149,34 +151,32 @@ class Config:
     wandb: str = ""
     """Weights & Biases project to log to; empty disables it (wandb is imported only when set)."""
     final_eval: int = 0
-    """After training, rank 0 evaluates the last checkpoint against the starting model on this many problems of the
-    task's held-out split, greedy, and prints both with their differences (eval.py --baseline). 0 or --no-final-eval: off."""
+    """After training, evaluate the last checkpoint against the start on this many held-out problems (eval.py)."""
 
     # Systems: hardware, memory and the rollout backend (the defaults fit; change them for speed or memory)
     dtype: str = "auto"
     """Compute dtype: auto (bf16 on GPU, fp32 on CPU), bf16 or fp32. Master weights stay fp32."""
     grad_checkpointing: bool = False
     """Recompute activations in the backward pass to save memory."""
+    padding_free: bool = True
+    """Pack a micro-batch's prompts (once) and completions into one row, no padding, for all but attention
+    (minigdpo/logprobs.py); Llama, Mistral, Qwen2/3. throughput/padding_frac shows the padding left."""
     ref_offload: bool = False
     """Keep the frozen reference model's shards in CPU memory."""
     sharding: str = "auto"
-    """FSDP2 layout: fsdp shards over all ranks; hsdp shards within a node and replicates across nodes, so
-    per-layer all-gathers never cross the network; auto is hsdp when the run spans more than one node."""
+    """FSDP2 layout: fsdp over all ranks; hsdp shards in a node, replicates across nodes; auto: hsdp on nodes > 1."""
     logprob_chunk: int = 1024
     """Tokens per chunk of the log-softmax, so [B, T, V] float32 logits never exist at once."""
     reduce_grads: str = "micro_batch"
-    """When FSDP2 reduces gradients: micro_batch (a reduce-scatter after each micro-batch: a rank keeps only its shard
-    of the fp32 gradients) or step (once, fewer collectives, but the whole fp32 gradient per rank: 28 GB at 7B)."""
+    """FSDP2's gradient reduction: micro_batch (each, a rank keeps its shard) or step (once; whole fp32 grads)."""
     sampler: str = "auto"
-    """Rollout backend: hf, vllm, or auto (vllm when it is importable and CUDA is present). On a CPU, vllm needs
-    vLLM's CPU build (docs/gpus.md, Sampling with vLLM) and is used only when asked for."""
+    """Rollout backend: hf, vllm, or auto (vllm with CUDA). On a CPU, vllm needs its CPU build (docs/gpus.md)."""
     vllm_gpu_memory_utilization: float = 0.3
     """Fraction of GPU memory vLLM may take for weights and KV cache (colocated with training)."""
     vllm_kv_cache_gib: float = 0.0
-    """vLLM's KV cache per rank in GiB, in place of --vllm-gpu-memory-utilization's share. 0: that share on a
-    GPU, 1 GiB on the CPU (vLLM's CPU build would take a share of the whole RAM)."""
+    """vLLM's KV cache per rank in GiB instead of a share of memory. 0: that share on a GPU, 1 GiB on the CPU."""
     reward_model_placement: str = "auto"
-    """Reward models' weights: resident, offload (CPU between scorings), shard (FSDP2), or auto (shard on several ranks)."""
+    """Reward models' weights: resident, offload (CPU between scorings), shard (FSDP2), auto (shard on ranks > 1)."""
     reward_model_batch_size: int = 8
     """Conversations a reward model scores per forward pass."""
     tis_cap: float = 0.0
@@ -305,7 +305,7 @@ def validate(cfg):
                 "max_new_tokens", "length_limit", "logprob_chunk", "keep_checkpoints", "reward_model_batch_size"]
     for name in positive:
         _check(getattr(cfg, name) >= 1, f"--{name.replace('_', '-')} must be >= 1, got {getattr(cfg, name)}")
-    for name in ["max_steps", "save_every", "samples_every", "weight_decay", "max_grad_norm", "beta", "tis_cap", "final_eval",
+    for name in ["max_steps", "micro_batch_tokens", "save_every", "samples_every", "weight_decay", "max_grad_norm", "beta", "tis_cap", "final_eval",
                  "logp_gap_warn", "vllm_kv_cache_gib"]:
         value = getattr(cfg, name)
         _check(math.isfinite(value) and value >= 0, f"--{name.replace('_', '-')} must be >= 0, got {value}")

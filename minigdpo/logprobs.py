@@ -20,7 +20,9 @@ their Hugging Face names (for the sampler and the exports).
 
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
+from transformers import AttentionInterface
 
 from minigdpo import dist
 from minigdpo.sampler import tied_names
@@ -199,6 +201,65 @@ def hidden_states(lm, prompt_ids, prompt_mask, index, completion_ids):
     return torch.cat([prompt[index, -1:], tail[:, :-1]], dim=1)          # (n, T, H)
 
 
+# The packed pass -------------------------------------------------------------------------------
+
+PACKED = "minigdpo_packed"  # the attention implementation the packed pass swaps in, layer by layer
+
+
+def packed_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
+    """Attention over a packed row, as transformers calls an attention function: query (1, h, L, d), key and
+    value (1, kv, L, d), attention_mask a Packed layout. The projections, norms and MLP ran on the L packed tokens;
+    here the tokens go to padded rows (prompts (b, P); completions (N, T), their prompt's keys in front), SDPA runs
+    on them with the shared-prefix pass's masks, and the outputs come back to the packed row: (1, L, h, d)."""
+    pk, h, d = attention_mask, query.shape[1], query.shape[-1]
+    rep = h // key.shape[1]
+
+    def rows(x):  # (L + 1, heads, d): a zero row at L for the padding indices
+        return torch.cat([x[0].transpose(0, 1), x.new_zeros(1, x.shape[1], d)])
+
+    q, k, v = rows(query), rows(key), rows(value)
+
+    def attend(qi, ki, mask):  # qi (r, s), ki (r, u) indices into the rows
+        kk, vv = (t[ki].transpose(1, 2).repeat_interleave(rep, dim=1) for t in (k, v))   # (r, h, u, d)
+        out = F.scaled_dot_product_attention(q[qi].transpose(1, 2), kk, vv, attn_mask=mask, dropout_p=dropout,
+                                             scale=scaling)                              # (r, h, s, d)
+        return out.transpose(1, 2).reshape(-1, h, d)                                     # (r * s, h, d)
+
+    out = torch.cat([attend(pk.prompt_rows, pk.prompt_rows, pk.prompt_attn),
+                     attend(pk.tail_rows, pk.tail_keys, pk.tail_attn)])[pk.inverse]     # (L, h, d)
+    return out[None], None
+
+
+AttentionInterface.register(PACKED, packed_attention)
+
+
+def layer_packed(layer, hidden, packed, position_embeddings):
+    """One decoder layer over a packed row (1, L, H), its attention through packed_attention. A forward method
+    of its own, as layer_pair is: FSDP2 gathers the layer once for it, and checkpointing can run it again."""
+    config = layer.self_attn.config
+    kept, config._attn_implementation = config._attn_implementation, PACKED
+    try:
+        return layer.forward(hidden, attention_mask=packed, position_ids=packed.positions,
+                             position_embeddings=position_embeddings)
+    finally:
+        config._attn_implementation = kept
+
+
+def packed_hidden_states(lm, packed):
+    """Final hidden states before each completion token, (K, H), from the packed row: the model's own layers
+    (embed, rotary embeddings at each token's own position, decoder layers, final norm) on L tokens."""
+    base = lm.base_model
+    hidden = base.embed_tokens(packed.ids)                                 # (1, L, H)
+    position_embeddings = base.rotary_emb(hidden, packed.positions)
+    recompute = lm.is_gradient_checkpointing and lm.training and torch.is_grad_enabled()
+    for layer in base.layers:
+        if recompute:
+            hidden = checkpoint(layer.layer_packed, hidden, packed, position_embeddings, use_reentrant=False)
+        else:
+            hidden = layer.layer_packed(hidden, packed, position_embeddings)
+    return base.norm(hidden)[0, packed.before]                             # (K, H)
+
+
 # The model ----------------------------------------------------------------------------------------
 
 def decoder_layers(lm):
@@ -211,38 +272,47 @@ def decoder_layers(lm):
 
 
 class LogProbModel(nn.Module):
-    """forward(prompts, completions) -> per-token log-probs (n, T) of the completion tokens: exactly
-    naive_logprobs, and its gradients, at 1/G of the prompt's cost and without (n, T, V) logits."""
+    """forward(micro-batch) -> per-token log-probs (N, T) of its completion tokens: exactly naive_logprobs, and its
+    gradients, at 1/G of the prompt's cost and without (N, T, V) logits; with a packed layout, without padding."""
 
     def __init__(self, lm):
         super().__init__()
         self.lm = lm
-        self.shares_prefix = shares_prefix(lm)
+        self.shares_prefix = shares_prefix(lm)  # also: it can pack (the same forward, laid out otherwise)
         self.lora = False  # policy.build sets it when peft's adapters are in lm: hf_state then merges them
         if self.shares_prefix:
             for layer in decoder_layers(lm):
                 layer.layer_pair = layer_pair.__get__(layer)
+                layer.layer_packed = layer_packed.__get__(layer)
 
-    def forward(self, prompt_ids, prompt_mask, repeats, completion_ids, completion_mask, temperature=1.0,
-                chunk=1024, entropy=False):
-        """prompt_ids, prompt_mask: (b, P) left-padded; repeats: (b,) completions per prompt, summing to n;
-        completion_ids, completion_mask: (n, T) right-padded."""
-        index = torch.repeat_interleave(torch.arange(len(repeats), device=prompt_ids.device), repeats)  # (n,)
-        T = completion_ids.shape[1]
-        if self.shares_prefix:
-            hidden = hidden_states(self.lm, prompt_ids, prompt_mask, index, completion_ids)  # (n, T, H)
-        else:  # one full sequence per completion
-            ids = torch.cat([prompt_ids[index], completion_ids], 1)        # (n, P+T)
-            attn = torch.cat([prompt_mask[index], torch.ones_like(completion_ids)], 1)  # (n, P+T)
-            hidden = self.lm.base_model(input_ids=ids, attention_mask=attn, position_ids=(attn.cumsum(-1) - 1).clamp(min=0),
-                                        use_cache=False).last_hidden_state[:, -T - 1:-1]   # (n, T, H)
-        valid = completion_mask.bool()                                     # (n, T)
-        weight = self.lm.get_output_embeddings().weight                    # (V, H)
-        lp, ent = chunked_logprobs(hidden[valid], weight, completion_ids[valid], temperature, chunk, entropy)  # (K,)
-        out = hidden.new_zeros(valid.shape, dtype=torch.float32).masked_scatter(valid, lp)      # (n, T)
+    def forward(self, mb, temperature=1.0, chunk=1024, entropy=False):
+        """mb: a MicroBatch (minigdpo/microbatch.py). Returns (N, T) log-probs, and entropies with entropy=True."""
+        if self.shares_prefix and mb.packed is not None:
+            hidden = packed_hidden_states(self.lm, mb.packed)                   # (K, H)
+        else:
+            if self.shares_prefix:
+                index = torch.repeat_interleave(torch.arange(len(mb.repeats), device=mb.repeats.device), mb.repeats,
+                                                output_size=mb.completion_ids.shape[0])  # (N,) no host sync
+                hidden = hidden_states(self.lm, mb.prompt_ids, mb.prompt_mask, index, mb.completion_ids)  # (N, T, H)
+            else:  # one full sequence per completion
+                hidden = self.full_sequences(mb)                                # (N, T, H)
+            hidden = hidden.reshape(-1, hidden.shape[-1])[mb.out_index]         # (K, H)
+        weight = self.lm.get_output_embeddings().weight                         # (V, H)
+        lp, ent = chunked_logprobs(hidden, weight, mb.targets, temperature, chunk, entropy)  # (K,)
+        T = mb.completion_ids.shape[1]
+        where = (mb.out_index // T, mb.out_index % T)                          # (K,), (K,)
+        out = lp.new_zeros(mb.completion_ids.shape).index_put(where, lp)       # (N, T)
         if not entropy:
             return out
-        return out, hidden.new_zeros(valid.shape, dtype=torch.float32).masked_scatter(valid, ent)
+        return out, ent.new_zeros(mb.completion_ids.shape).index_put(where, ent)
+
+    def full_sequences(self, mb):
+        index = torch.repeat_interleave(torch.arange(len(mb.repeats), device=mb.repeats.device), mb.repeats)  # (N,)
+        T = mb.completion_ids.shape[1]
+        ids = torch.cat([mb.prompt_ids[index], mb.completion_ids], 1)                           # (N, P+T)
+        attn = torch.cat([mb.prompt_mask[index], torch.ones_like(mb.completion_ids)], 1)        # (N, P+T)
+        return self.lm.base_model(input_ids=ids, attention_mask=attn, position_ids=(attn.cumsum(-1) - 1).clamp(min=0),
+                                  use_cache=False).last_hidden_state[:, -T - 1:-1]              # (N, T, H)
 
     def hf_state(self, dtype=None, main_only=False):
         """Yield (Hugging Face name, whole tensor) one parameter at a time, in `dtype` when given.

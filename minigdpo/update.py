@@ -40,7 +40,6 @@ import torch
 import torch.nn as nn
 
 from minigdpo import dist
-from minigdpo.sampler import left_pad
 
 AGGREGATIONS = ("micro_batch_token_mean", "token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm")
 TRL_NAMES = {"bnpo": "micro_batch_token_mean", "dapo": "token_mean", "grpo": "seq_mean_token_mean",
@@ -108,62 +107,17 @@ def policy_loss(logp, old_logp, ref_logp, advantages, mask, *, clip_low=0.2, cli
     return loss, metrics
 
 
-# Micro-batches -----------------------------------------------------------------------------------
-
-def micro_batches(prompts, completions, advantages, size, pad_id, device, group):
-    """Split this rank's sequences into micro-batches of whole or partial groups.
-
-    Sequences come prompt-major (each prompt's `group` completions in a row); prompts are taken in order
-    of length to cut padding. Each micro-batch holds its distinct prompts once: prompt_ids, prompt_mask
-    (b, P) left-padded and repeats (b,), then completion_ids, mask, sampler_logp (N, T) right-padded
-    and adv (N,).
-    """
-    by_length = sorted(range(len(prompts) // group), key=lambda p: len(prompts[p * group]))
-    order = [p * group + j for p in by_length for j in range(group)]
-    out = []
-    for s in range(0, len(order), size):
-        idx = order[s:s + size]
-        owner_of = [i // group for i in idx]
-        owners = list(dict.fromkeys(owner_of))                             # distinct prompts, in order
-        repeats = torch.tensor([owner_of.count(p) for p in owners])        # (b,)
-        prompt_ids, prompt_mask = left_pad([prompts[p * group] for p in owners], pad_id, device)  # (b, P)
-        T = max(1, max(len(completions[i].token_ids) for i in idx))
-        completion_ids = torch.full((len(idx), T), pad_id, dtype=torch.long)    # (N, T)
-        mask = torch.zeros((len(idx), T))                                        # (N, T)
-        sampler_logp = torch.zeros((len(idx), T))                                # (N, T)
-        for row, i in enumerate(idx):
-            n = len(completions[i].token_ids)
-            if n:
-                completion_ids[row, :n], mask[row, :n] = torch.tensor(completions[i].token_ids), 1
-                sampler_logp[row, :n] = torch.tensor(completions[i].logprobs)
-        out.append({"prompt_ids": prompt_ids, "prompt_mask": prompt_mask, "repeats": repeats.to(device),
-                    "completion_ids": completion_ids.to(device), "mask": mask.to(device),
-                    "adv": advantages[idx].to(device), "sampler_logp": sampler_logp.to(device)})
-    return out
-
-
-def model_tokens(batches, shared=True):
-    """Tokens one forward pass over `batches` runs through the model: each distinct prompt once when
-    prompts are shared across their completions (the shared-prefix pass), once per completion otherwise."""
-    total = 0.0
-    for mb in batches:
-        prompt = mb["prompt_mask"].sum(-1)                                 # (b,)
-        total += (prompt.sum() if shared else (prompt * mb["repeats"]).sum()).item() + mb["mask"].sum().item()
-    return total
-
-
 def logprobs(model, mb, cfg, entropy=False):
     """The model's per-token log-probs (N, T) of a micro-batch's completions (and entropies)."""
-    return model(mb["prompt_ids"], mb["prompt_mask"], mb["repeats"], mb["completion_ids"], mb["mask"], cfg.temperature,
-                 cfg.logprob_chunk, entropy)
+    return model(mb, cfg.temperature, cfg.logprob_chunk, entropy)
 
 
 @torch.no_grad()
 def fill_logprobs(model, batches, key, cfg, reshard=False):
-    """Store a no-grad log-prob pass (reference or old policy) in each micro-batch under `key`;
+    """Store a no-grad log-prob pass (reference or old policy) in each micro-batch's `key` field;
     reshard=True then frees the parameters FSDP2 keeps gathered for a backward (none for the reference)."""
     for mb in batches:
-        mb[key] = logprobs(model, mb, cfg)
+        setattr(mb, key, logprobs(model, mb, cfg))
     if reshard:
         dist.reshard(model)
 
@@ -173,34 +127,39 @@ def fill_logprobs(model, batches, key, cfg, reshard=False):
 SUMMED = ("tokens", "loss", "pg_loss", "kl", "clip_low", "clip_high", "ratio", "entropy", "gap")
 
 
-def update(model, opt, sched, batches, cfg, num_tokens, num_seqs):
-    """num_iterations optimizer steps over the micro-batches; returns this rank's statistics by name
-    (sums over the first pass, as SUMMED lists, and ratio_min, ratio_max, grad_norm, skipped_steps).
+def normaliser(batches, cfg):
+    """The aggregation's one divisor (the module docstring's last column), as this rank's share of it.
 
-    num_tokens / num_seqs are the global counts divided by the world size: FSDP2 averages gradients
-    over ranks, so this makes every aggregation exact over the global batch.
-    """
+    Each rank divides its micro-batches' sums by a global count over the world size, and FSDP2 averages the
+    gradients over the ranks (their sum / world size): together, each sum is divided by the global count, so
+    accumulation over micro-batches and ranks equals one big batch, however the groups are spread over ranks."""
+    counts = torch.tensor([float(sum(mb.tokens for mb in batches)), float(sum(mb.seqs for mb in batches)),
+                           float(sum(mb.seqs > 0 for mb in batches))], dtype=torch.float64)
+    tokens, seqs, micro = (max(1.0, n) / dist.world_size() for n in dist.all_reduce(counts).tolist())
+    return {"micro_batch_token_mean": micro, "token_mean": tokens, "seq_mean_token_mean": seqs,
+            "seq_mean_token_sum_norm": seqs * cfg.max_new_tokens}[aggregation(cfg.loss_agg)]
+
+
+def update(model, opt, sched, batches, cfg):
+    """num_iterations optimizer steps over the micro-batches; returns this rank's statistics by name
+    (sums over the first pass, as SUMMED lists, and ratio_min, ratio_max, grad_norm, skipped_steps)."""
     totals = {k: torch.zeros((), device=dist.device()) for k in SUMMED}
     totals |= {"ratio_min": torch.tensor(math.inf), "ratio_max": torch.tensor(-math.inf), "skipped_steps": 0}
-    agg = aggregation(cfg.loss_agg)
-    # The aggregation's one normaliser (module docstring): bnpo weighs each micro-batch alike, the others
-    # divide by this rank's share of the global batch, so accumulation equals one big batch.
-    norm = {"micro_batch_token_mean": len(batches), "token_mean": num_tokens,
-            "seq_mean_token_mean": num_seqs, "seq_mean_token_sum_norm": num_seqs * cfg.max_new_tokens}[agg]
+    agg, norm = aggregation(cfg.loss_agg), normaliser(batches, cfg)
     for it in range(cfg.num_iterations):
         opt.zero_grad(set_to_none=True)
         for i, mb in enumerate(batches):
             last = i == len(batches) - 1  # gradients cross ranks once per optimizer step (cfg.reduce_grads)
             dist.reduce_gradients(model, reduce_scatter=last or cfg.reduce_grads == "micro_batch", all_reduce=last)
             logp, entropy = logprobs(model, mb, cfg, entropy=True)
-            old = mb.get("old_logp", logp.detach())  # num_iterations == 1: the policy that sampled is this one
-            loss, stats = policy_loss(logp, old, mb.get("ref_logp"), mb["adv"], mb["mask"], clip_low=cfg.clip_low,
+            old = logp.detach() if mb.old_logp is None else mb.old_logp  # 1 iteration: the sampling policy is this one
+            loss, stats = policy_loss(logp, old, mb.ref_logp, mb.adv, mb.mask, clip_low=cfg.clip_low,
                                       clip_high=cfg.clip_high, beta=cfg.beta, agg=agg, norm=norm,
-                                      sampler_logp=mb["sampler_logp"], tis_cap=cfg.tis_cap)
+                                      sampler_logp=mb.sampler_logp, tis_cap=cfg.tis_cap)
             loss.backward()
             if it == 0:
-                stats |= {"loss": loss.detach(), "entropy": (entropy * mb["mask"]).sum(),
-                          "gap": ((old - mb["sampler_logp"]).abs() * mb["mask"]).sum()}  # sampler vs trainer
+                stats |= {"loss": loss.detach(), "entropy": (entropy * mb.mask).sum(),
+                          "gap": ((old - mb.sampler_logp).abs() * mb.mask).sum()}  # sampler vs trainer
                 for k in SUMMED:
                     totals[k] = totals[k] + stats[k]
                 totals["ratio_min"] = torch.minimum(totals["ratio_min"].to(logp.device), stats["ratio_min"])

@@ -16,7 +16,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from minigdpo import dist, lora, models, policy  # noqa: E402
 from minigdpo.config import Config  # noqa: E402
 from minigdpo.sampler import Completion  # noqa: E402
-from minigdpo.update import fill_logprobs, micro_batches, optimizer, scheduler, step_metrics, update  # noqa: E402
+from minigdpo.microbatch import micro_batches  # noqa: E402
+from minigdpo.update import fill_logprobs, optimizer, scheduler, step_metrics, update  # noqa: E402
 
 
 def main(out, agg, sharding, adapters=None):
@@ -49,8 +50,7 @@ def main(out, agg, sharding, adapters=None):
         with lora.adapters_off(model):
             fill_logprobs(model, batches, "ref_logp", cfg)
     fill_logprobs(model, batches, "old_logp", cfg)
-    tokens = dist.all_reduce(sum(mb["mask"].sum() for mb in batches).reshape(1)).item()
-    totals = update(model, opt, sched, batches, cfg, tokens / world, S // world)
+    totals = update(model, opt, sched, batches, cfg)
     stats = step_metrics(totals)
     params = {name: t.clone() for name, t in model.hf_state()}
     if dist.is_main():

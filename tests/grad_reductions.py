@@ -25,7 +25,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from minigdpo import dist, models, policy  # noqa: E402
 from minigdpo.config import Config  # noqa: E402
 from minigdpo.sampler import Completion  # noqa: E402
-from minigdpo.update import micro_batches, optimizer, scheduler, update  # noqa: E402
+from minigdpo.microbatch import micro_batches  # noqa: E402
+from minigdpo.update import optimizer, scheduler, update  # noqa: E402
 
 
 class Reductions:
@@ -92,7 +93,7 @@ def main(out, sharding):
 
         dist.reduce_gradients = sampled
         with Reductions() as counted:
-            update(model, opt, sched, batches, cfg, 40.0, 8)
+            update(model, opt, sched, batches, cfg)
         dist.reduce_gradients = reduce
         result[mode] = {k: v / modules for k, v in counted.counts.items()} | {"micro_batches": len(batches),
                                                                               "peak_grad_bytes": peak[0]}

@@ -53,9 +53,9 @@ def test_reference_pass_leaves_only_its_shards_resident(process_group):
         fill_logprobs(ref, mbs, "ref_logp", cfg, reshard=True)
         total, whole = resident_bytes(ref)
         assert (total, whole) == (shards, 0)
-        before = [mb["ref_logp"] for mb in mbs]
+        before = [mb.ref_logp for mb in mbs]
         fill_logprobs(ref, mbs, "ref_logp", cfg, reshard=True)  # a second pass gathers again, the same
-        assert all(torch.equal(a, mb["ref_logp"]) for a, mb in zip(before, mbs))
+        assert all(torch.equal(a, mb.ref_logp) for a, mb in zip(before, mbs))
 
 
 def test_export_keeps_the_source_checkpoints_dtype(process_group, tmp_path):

@@ -14,7 +14,7 @@ import torch
 from safetensors.torch import load_file
 
 from conftest import read_jsonl, refusal, refused, run
-from minigdpo import checkpoint, config, dist, logprobs, lora, models, policy
+from minigdpo import checkpoint, config, dist, logprobs, lora, microbatch, models, policy
 from minigdpo.sampler import HFSampler, SamplingParams
 from minigdpo.update import optimizer, scheduler
 from test_policy import batches, model_logprobs
@@ -133,7 +133,7 @@ def test_merged_weights_reproduce_the_adapted_model(tiny, process_group):
     mb = batches(5)[0]
     with torch.no_grad():
         want = model_logprobs(model, mb)
-        got = logprobs.LogProbModel(plain)(mb["prompt_ids"], mb["prompt_mask"], mb["repeats"], mb["completion_ids"], mb["mask"])
+        got = logprobs.LogProbModel(plain)(mb)
     torch.testing.assert_close(got.cpu(), want.cpu(), rtol=0, atol=1e-5)
     # The HF sampler's log-probs of what it samples with the merged weights equal the trainer's on the same tokens.
     sampler = HFSampler(models.load_model(path), [256], tok.pad_token_id, process_group, tok)
@@ -141,9 +141,7 @@ def test_merged_weights_reproduce_the_adapted_model(tiny, process_group):
     groups = sampler.generate([[10, 11, 12], [20, 21]], 2, SamplingParams(temperature=1.0, max_new_tokens=6, seed=1))
     for prompt, group in zip([[10, 11, 12], [20, 21]], groups):
         for c in group:
-            mb = {"prompt_ids": torch.tensor([prompt]), "prompt_mask": torch.ones(1, len(prompt), dtype=torch.long),
-                  "repeats": torch.tensor([1]), "completion_ids": torch.tensor([c.token_ids]),
-                  "mask": torch.ones(1, len(c.token_ids))}
+            mb = microbatch.build([(prompt, [c], torch.zeros(1))], tok.pad_token_id, torch.device("cpu"))
             with torch.no_grad():
                 trainer = model_logprobs(model, mb)[0]
             torch.testing.assert_close(torch.tensor(c.logprobs), trainer, rtol=0, atol=1e-5)
@@ -190,7 +188,7 @@ def test_adapter_checkpoint_loads_with_peft_and_the_merged_export_with_transform
         want = model_logprobs(model, mb)
         for lm in (PeftModel.from_pretrained(models.load_model(path), adapter).get_base_model(),  # adapters in place
                    AutoModelForCausalLM.from_pretrained(os.path.join(where, "hf"))):
-            got = logprobs.LogProbModel(lm)(mb["prompt_ids"], mb["prompt_mask"], mb["repeats"], mb["completion_ids"], mb["mask"])
+            got = logprobs.LogProbModel(lm)(mb)
             torch.testing.assert_close(got.cpu(), want.cpu(), rtol=0, atol=1e-5)
     # Without the export, hf/ is absent and eval.py merges base + adapter itself.
     where = checkpoint.save(str(tmp_path), 2, model, opt, sched, tok, {"cursor": 0}, torch.float32, keep=2, export_hf=False)

@@ -11,7 +11,8 @@ import torch
 
 from minigdpo import checkpoint, dist, logprobs, models, policy
 from minigdpo.sampler import Completion, HFSampler, SamplingParams, sample_next
-from minigdpo.update import lr_lambda, micro_batches, model_tokens, optimizer, scheduler
+from minigdpo.microbatch import micro_batches
+from minigdpo.update import lr_lambda, optimizer, scheduler
 
 
 @pytest.fixture(scope="module")
@@ -22,16 +23,16 @@ def tiny():
 
 def full_sequences(mb):
     """The micro-batch as one left-padded prompt + completion row per completion."""
-    index = torch.repeat_interleave(torch.arange(len(mb["repeats"])), mb["repeats"])
-    ids = torch.cat([mb["prompt_ids"][index], mb["completion_ids"]], 1)
-    attn = torch.cat([mb["prompt_mask"][index], torch.ones_like(mb["completion_ids"])], 1)
+    index = torch.repeat_interleave(torch.arange(len(mb.repeats)), mb.repeats)
+    ids = torch.cat([mb.prompt_ids[index], mb.completion_ids], 1)
+    attn = torch.cat([mb.prompt_mask[index], torch.ones_like(mb.completion_ids)], 1)
     return ids, attn
 
 
 def naive_logprobs(lm, mb, temperature=1.0):
     """The package's textbook reference (logprobs.naive_logprobs), the oracle of the fast path."""
-    return logprobs.naive_logprobs(lm, mb["prompt_ids"], mb["prompt_mask"], mb["repeats"], mb["completion_ids"],
-                                   mb["mask"], temperature)
+    return logprobs.naive_logprobs(lm, mb.prompt_ids, mb.prompt_mask, mb.repeats, mb.completion_ids,
+                                   mb.mask, temperature)
 
 
 G = 3
@@ -46,17 +47,16 @@ def random_batch(seed=0, prompts=2):
     return [p for p in ps for _ in range(G)], comps
 
 
-def batches(seed=0, size=8, prompts=2):
+def batches(seed=0, size=8, prompts=2, pack=False):
     ps, comps = random_batch(seed, prompts)
-    return micro_batches(ps, comps, torch.zeros(len(comps)), size, 257, torch.device("cpu"), G)
+    return micro_batches(ps, comps, torch.zeros(len(comps)), size, 257, torch.device("cpu"), G, pack)
 
 
 def model_logprobs(model, mb, temperature=1.0, chunk=1024, entropy=False, share_prefix=True):
     """LogProbModel's log-probs; share_prefix=False runs full sequences although the model could share."""
     shares, model.shares_prefix = model.shares_prefix, model.shares_prefix and share_prefix
     try:
-        return model(mb["prompt_ids"], mb["prompt_mask"], mb["repeats"], mb["completion_ids"], mb["mask"], temperature,
-                     chunk, entropy)
+        return model(mb, temperature, chunk, entropy)
     finally:
         model.shares_prefix = shares
 
@@ -102,6 +102,48 @@ def test_shared_prefix_pass_equals_full_sequences_for_each_supported_model_type(
     assert_same_values_and_gradients(lm, got, want)
 
 
+def tiny_of(arch, attn):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.for_model(arch, vocab_size=258, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                                  num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=64,
+                                  tie_word_embeddings=arch != "mistral")
+    config._attn_implementation = attn
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(config)
+
+
+@pytest.mark.parametrize("arch,attn", [("qwen2", "sdpa"), ("qwen3", "sdpa"), ("llama", "eager"), ("mistral", "sdpa")])
+@pytest.mark.parametrize("size", [9, 4])
+def test_the_packed_pass_equals_the_textbook_values_and_gradients(arch, attn, size):
+    """Every prompt once and every completion token in one row, no padding: exactly naive_logprobs and its
+    gradients (fp32), for each model type the shared-prefix pass serves; size 4 splits groups across micro-batches."""
+    lm = tiny_of(arch, attn)
+    model = logprobs.LogProbModel(lm)
+    packed = batches(seed=7, size=size, prompts=3, pack=True)
+    assert all(mb.packed is not None for mb in packed) and len(packed) == (1 if size == 9 else 3)
+    assert sum(mb.real_tokens() for mb in packed) < sum(mb.prompt_ids.numel() + mb.completion_ids.numel() for mb in packed)
+    for mb in packed:
+        assert mb.packed.ids.shape[1] == mb.real_tokens() <= mb.prompt_ids.numel() + mb.completion_ids.numel()
+        got = model(mb, 0.8, 5)
+        want = naive_logprobs(lm, mb, 0.8)
+        assert_same_values_and_gradients(lm, got, want)
+        lm.zero_grad()
+
+
+def test_the_packed_pass_under_checkpointing_and_its_entropy(tiny):
+    path, _ = tiny
+    lm = models.load_model(path)
+    lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    lm.train()
+    model = logprobs.LogProbModel(lm)
+    (padded,), (packed,) = batches(3), batches(3, pack=True)
+    got, ent = model(packed, 1.0, 4, True)
+    want, want_ent = model(padded, 1.0, 4, True)
+    torch.testing.assert_close(ent, want_ent, atol=1e-5, rtol=0)
+    assert_same_values_and_gradients(lm, got, want)
+
+
 def test_models_the_shared_prefix_pass_does_not_cover_run_full_sequences():
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -122,11 +164,11 @@ def test_entropy_matches_the_full_distribution(tiny):
     (mb,) = batches(1)
     with torch.no_grad():
         _, ent = model_logprobs(logprobs.LogProbModel(lm), mb, 1.0, 4, entropy=True)
-        T = mb["mask"].shape[1]
+        T = mb.mask.shape[1]
         ids, attn = full_sequences(mb)
         pos = (attn.cumsum(-1) - 1).clamp(min=0)
         logp = torch.log_softmax(lm(input_ids=ids, attention_mask=attn, position_ids=pos).logits[:, -T - 1:-1], -1)
-        want = -(logp.exp() * logp).sum(-1) * mb["mask"]
+        want = -(logp.exp() * logp).sum(-1) * mb.mask
     torch.testing.assert_close(ent, want, atol=1e-5, rtol=0)
 
 
@@ -233,7 +275,7 @@ def test_partial_checkpoints_are_ignored_and_removed(tmp_path):
 
 def rows_of(mb):
     """Each row's completion tokens, as a tuple."""
-    return [tuple(ids[m.bool()].tolist()) for ids, m in zip(mb["completion_ids"], mb["mask"])]
+    return [tuple(ids[m.bool()].tolist()) for ids, m in zip(mb.completion_ids, mb.mask)]
 
 
 def test_micro_batches_hold_each_prompt_once_and_cover_every_sequence():
@@ -241,22 +283,26 @@ def test_micro_batches_hold_each_prompt_once_and_cover_every_sequence():
     mbs = micro_batches(ps, comps, torch.zeros(len(comps)), 4, 257, torch.device("cpu"), G)
     assert sorted(r for mb in mbs for r in rows_of(mb)) == sorted(tuple(c.token_ids) for c in comps)
     for mb in mbs:
-        assert int(mb["repeats"].sum()) == mb["completion_ids"].shape[0]
-        assert mb["prompt_ids"].shape[0] == len(mb["repeats"])
-    lengths = [mb["prompt_mask"].sum(-1).tolist() for mb in mbs]
+        assert int(mb.repeats.sum()) == mb.completion_ids.shape[0]
+        assert mb.prompt_ids.shape[0] == len(mb.repeats)
+    lengths = [mb.prompt_mask.sum(-1).tolist() for mb in mbs]
     flat = [x for ls in lengths for x in ls]
     assert flat == sorted(flat)  # prompts taken shortest first
 
 
-def test_model_tokens_count_a_shared_prompt_once():
+def test_real_tokens_count_a_shared_prompt_once_and_the_computed_ones_count_padding():
     ps, comps = random_batch(4, prompts=3)
     mbs = micro_batches(ps, comps, torch.zeros(len(comps)), 4, 257, torch.device("cpu"), G)
     completion_tokens = sum(len(c.token_ids) for c in comps)
-    assert model_tokens(mbs, shared=False) == sum(len(p) for p in ps) + completion_tokens
+    assert sum(mb.real_tokens(shared=False) for mb in mbs) == sum(len(p) for p in ps) + completion_tokens
     # each micro-batch runs each of its distinct prompts once
     owner = {tuple(c.token_ids): i // G * G for i, c in enumerate(comps)}  # a completion's prompt
-    assert model_tokens(mbs, shared=True) == sum(len(ps[i]) for mb in mbs for i in {owner[r] for r in rows_of(mb)}) \
+    assert sum(mb.real_tokens() for mb in mbs) == sum(len(ps[i]) for mb in mbs for i in {owner[r] for r in rows_of(mb)}) \
         + completion_tokens
+    # padded rows compute every column; the packed row only the real tokens
+    assert all(mb.model_tokens() == mb.prompt_ids.numel() + mb.completion_ids.numel() for mb in mbs)
+    packed = micro_batches(ps, comps, torch.zeros(len(comps)), 4, 257, torch.device("cpu"), G, pack=True)
+    assert [mb.model_tokens() for mb in packed] == [mb.real_tokens() for mb in mbs]
 
 
 def test_lr_schedule():
@@ -384,8 +430,7 @@ def test_the_optimizer_receives_gradients_clipped_to_max_grad_norm(tiny, process
     adv = torch.randn(len(comps), generator=torch.Generator().manual_seed(3))
     batches = micro_batches(ps, comps, adv, 4, 257, process_group, G)  # 2 micro-batches
     cfg = Config(beta=0.0, max_grad_norm=1e-3, max_new_tokens=8, logprob_chunk=64)
-    tokens = sum(mb["mask"].sum() for mb in batches).item()
-    totals = update(model, Recording(), type("S", (), {"step": lambda self: None})(), batches, cfg, tokens, len(comps))
+    totals = update(model, Recording(), type("S", (), {"step": lambda self: None})(), batches, cfg)
     assert totals["grad_norm"].item() > 1e-2                 # clipping had work to do
     assert len(norms) == 1 and norms[0] <= 1e-3 * (1 + 1e-4), norms
 

@@ -162,7 +162,7 @@ def test_misbehaving_rewards_do_not_stop_training(tmp_path):
 
 
 def batch_of(completions, prompts=None):
-    from minigdpo.update import micro_batches
+    from minigdpo.microbatch import micro_batches
 
     prompts = prompts or [[1, 2, 3]] * len(completions)
     return micro_batches(prompts, completions, torch.zeros(len(completions)), 4, 257, torch.device("cpu"), len(completions))
@@ -179,8 +179,8 @@ def test_degenerate_batches_give_finite_zero_advantages_and_finite_loss(case):
     comps = {"empty": [Completion([], [], "stop")] * G, "truncated": [Completion([7] * 6, [-1.0] * 6, "length")] * G}.get(
         case, [Completion([5, 6], [-1.0, -1.0], "stop")] * G)
     (mb,) = batch_of(comps)
-    logp = torch.zeros_like(mb["mask"], requires_grad=True)
-    loss, stats = policy_loss(logp, logp.detach(), logp.detach(), torch.zeros(G), mb["mask"])
+    logp = torch.zeros_like(mb.mask, requires_grad=True)
+    loss, stats = policy_loss(logp, logp.detach(), logp.detach(), torch.zeros(G), mb.mask)
     loss.backward()
     assert math.isfinite(loss.item()) and torch.isfinite(logp.grad).all()
 
@@ -194,11 +194,11 @@ def test_a_nan_gradient_skips_the_step_and_keeps_the_weights(process_group):
     opt = optimizer(model, 1e-2, 0.0)
     sched = scheduler(opt, 4, 0.0, "constant")
     (mb,) = batch_of([Completion([5, 6], [-1.0, -1.0])] * 2)
-    mb["adv"] = torch.tensor([float("nan"), 1.0], device=process_group)
+    mb.adv = torch.tensor([float("nan"), 1.0], device=process_group)
     before = {k: v.clone() for k, v in model.hf_state()}
     cfg = config.Config(num_iterations=1, temperature=1.0, logprob_chunk=64, tis_cap=0.0, clip_low=0.2, clip_high=0.2,
                         beta=0.0, loss_agg="token_mean", max_new_tokens=4, max_grad_norm=1.0, grad_checkpointing=False)
-    totals = update(model, opt, sched, [mb], cfg, 4.0, 2)
+    totals = update(model, opt, sched, [mb], cfg)
     assert totals["skipped_steps"] == 1
     for k, v in model.hf_state():
         assert torch.equal(v, before[k])
@@ -221,6 +221,7 @@ def test_bad_rows_stop_by_default_and_are_skipped_on_request(tmp_path):
 BAD_VALUES = {  # every config field, with a value it must refuse (the test below checks the list is complete)
     "preset": "huge", "model": " ", "task": "chess", "data": None, "rewards": None, "reward_weights": [float("nan")] * 3,
     "condition": None, "estimator": "ppo", "group_size": 1, "batch_size": 9, "micro_batch_size": 0, "num_iterations": 0,
+    "micro_batch_tokens": -1, "padding_free": None,
     "dynamic_sampling": None, "max_sample_rounds": 0,
     "lr": float("nan"), "lr_schedule": "linear", "warmup_ratio": 1.0, "weight_decay": -0.1, "max_grad_norm": -1.0,
     "beta": float("inf"), "clip_low": 1.0, "clip_high": -0.1, "loss_agg": "sum", "epochs": 0.0, "max_steps": -1,
@@ -237,7 +238,8 @@ BAD_VALUES = {  # every config field, with a value it must refuse (the test belo
 }
 CHECKED_ELSEWHERE = {  # fields whose bad values are only known once data, rewards or the machine are consulted
     "data": "a missing file (test_train)", "rewards": "an unknown name (test_train)",
-    "condition": "a malformed or unknown condition (test_train)", "skip_bad_rows": "a boolean", "grad_checkpointing": "a boolean", "ignore_eos": "a boolean",
+    "condition": "a malformed or unknown condition (test_train)", "skip_bad_rows": "a boolean", "grad_checkpointing": "a boolean",
+    "padding_free": "a boolean", "ignore_eos": "a boolean",
     "ref_offload": "a boolean", "resume": "a boolean", "dynamic_sampling": "a boolean",
     "wandb": "refused when wandb is not installed",
 }

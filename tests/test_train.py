@@ -106,7 +106,8 @@ def test_two_ranks_need_whole_groups_per_rank(tmp_path):
 
 def test_update_throughput_counts_every_pass_and_only_trainable_weight_gradients(tmp_path):
     """throughput/update_tflops_per_device: tokens of all num_iterations passes over the update's time, at
-    4 x parameters + 2 x trainable parameters FLOPs per token (LoRA's frozen weights get no gradient)."""
+    4 x parameters + 2 x trainable parameters FLOPs per token (LoRA's frozen weights get no gradient), plus
+    attention's share (throughput/attention_flops_frac)."""
     rows = {}
     for name, extra in (("one", []), ("two", ["--num-iterations", "2"]), ("lora", ["--lora-rank", "4"])):
         proc = run(SMOKE + ["--output-dir", str(tmp_path / name), "--max-steps", "1", "--save-every", "0"] + extra)
@@ -114,7 +115,9 @@ def test_update_throughput_counts_every_pass_and_only_trainable_weight_gradients
                                  re.search(r"parameters: ([\d,]+), trainable: ([\d,]+)", proc.stdout).groups())
         row = read_jsonl(os.path.join(tmp_path / name, "metrics.jsonl"))[0]
         tokens = row["throughput/update_tokens_per_s"] * row["time/update"]
-        flops_per_token = row["throughput/update_tflops_per_device"] * 1e12 / row["throughput/update_tokens_per_s"]
+        flops_per_token = row["throughput/update_tflops_per_device"] * 1e12 / row["throughput/update_tokens_per_s"] \
+            * (1 - row["throughput/attention_flops_frac"])
+        assert 0 < row["throughput/attention_flops_frac"] < 0.5 and 0 <= row["throughput/padding_frac"] < 1
         rows[name] = tokens, flops_per_token, n_params, n_trainable
     assert rows["two"][0] == pytest.approx(2 * rows["one"][0], rel=1e-6)  # the same sampled batch, two passes
     tokens, flops, n_params, n_trainable = rows["lora"]

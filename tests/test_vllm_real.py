@@ -25,7 +25,8 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 from minigdpo import models, policy  # noqa: E402
 from minigdpo.config import Config  # noqa: E402
 from minigdpo.sampler import SamplingParams, WeightSyncError  # noqa: E402
-from minigdpo.update import fill_logprobs, micro_batches, optimizer, scheduler, update  # noqa: E402
+from minigdpo.microbatch import micro_batches  # noqa: E402
+from minigdpo.update import fill_logprobs, optimizer, scheduler, update  # noqa: E402
 from minigdpo.vllm_sampler import VLLMSampler  # noqa: E402
 
 STOPS = list(range(200, 230))  # 30 of 259 tokens: a random model stops early often enough to see stops
@@ -62,7 +63,7 @@ def trainer_logprobs(model, completions, prompts, n, temperature):
     seqs = [p for p in prompts for _ in range(n)]
     (mb,) = micro_batches(seqs, completions, torch.zeros(len(completions)), len(completions), 257, torch.device("cpu"), n)
     fill_logprobs(model, [mb], "trainer", Config(temperature=temperature, logprob_chunk=64))
-    return mb["trainer"], mb["sampler_logp"], mb["mask"]
+    return mb.trainer, mb.sampler_logp, mb.mask
 
 
 def gap(model, sampler, temperature=1.0, seed=1, top_p=1.0):
@@ -100,8 +101,7 @@ def test_a_sync_after_a_real_update_serves_the_new_weights(path, engine, process
     batches = micro_batches(seqs, completions, torch.randn(len(completions)), 4, 257, torch.device("cpu"), 4)
     cfg = Config(temperature=1.0, logprob_chunk=64, beta=0.0, max_new_tokens=24)
     opt = optimizer(model, 2e-4, 0.0)  # one small step: a stale engine is off by less than the old default (0.1)
-    update(model, opt, scheduler(opt, 1, 0.0, "constant"), batches, cfg, sum(b["mask"].sum().item() for b in batches),
-           len(completions))
+    update(model, opt, scheduler(opt, 1, 0.0, "constant"), batches, cfg)
     stale, stale_lp = gap(model, sampler, seed=4)  # the engine still holds the old weights
     sampler.load_weights(model.hf_state())
     fresh, _ = gap(model, sampler, seed=4)

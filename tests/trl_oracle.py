@@ -29,7 +29,8 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("WANDB_DISABLED", "true")
 
 import torch  # noqa: E402
-from minigdpo.update import fill_logprobs, micro_batches, step_metrics, update  # noqa: E402
+from minigdpo.microbatch import micro_batches  # noqa: E402
+from minigdpo.update import fill_logprobs, step_metrics, update  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -184,9 +185,8 @@ def mini_step(work, loss_type, ga, model, ref):
     cfg = Config(num_iterations=1, temperature=1.0, logprob_chunk=1024, tis_cap=0.0, clip_low=0.2, clip_high=0.2,
                  beta=BETA, loss_agg=AGG[loss_type], max_new_tokens=MAX_LEN, max_grad_norm=0.0, grad_checkpointing=False)
     fill_logprobs(ref, batches, "ref_logp", cfg, reshard=True)
-    tokens = sum(mb["mask"].sum() for mb in batches).item()
     opt = GradCapture(model)
-    totals = update(model, opt, SimpleNamespace(step=lambda: None), batches, cfg, tokens, B * G)
+    totals = update(model, opt, SimpleNamespace(step=lambda: None), batches, cfg)
     torch.save({"adv": adv, "loss": step_metrics(totals)["loss"], "grads": opt.grads},
                os.path.join(work, f"mini_{loss_type}_{ga}.pt"))
 

@@ -1,0 +1,218 @@
+"""Micro-batches: how a step's sequences are cut, and laid out for the model.
+
+Shape legend: b distinct prompts in a micro-batch, N its sequences, P prompt columns, T completion columns,
+K completion tokens, L packed tokens (each prompt once and every completion token, no padding).
+
+A micro-batch holds its distinct prompts once each, left-padded (b, P), and its completions right-padded (N, T):
+the rows the shared-prefix pass reads (minigdpo/logprobs.py). With the padding-free pass it also holds a `Packed`
+layout: every prompt token once and every completion token in one row of L tokens, with the indices that take
+them to and from the padded rows attention reads. Every index is built here, on the host, so that no pass over
+the model waits for the device to learn a shape.
+
+Two ways to cut a step's groups (`cut`):
+- by count (--micro-batch-size S): each rank cuts its own groups, prompts in order of length, S sequences each;
+- by tokens (--micro-batch-tokens N): whole groups (prompt once + its completions) fill micro-batches of at most
+  N tokens, longest first (first fit); a group longer than N runs alone. The micro-batches are dealt out so that
+  ranks hold about the same number of tokens, each group moving to the rank that trains it, and a rank with
+  fewer micro-batches than the others runs empty ones: FSDP2's collectives are matched call by call.
+"""
+
+import math
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from minigdpo import dist
+from minigdpo.sampler import Completion, left_pad
+
+
+@dataclass
+class Packed:
+    """A micro-batch as one row of L tokens, and where attention finds them (padded rows, as the shared-prefix
+    pass computes attention: a packed row would make it quadratic in L, docs/performance.md)."""
+    ids: torch.Tensor          # (1, L) prompts, then completions
+    positions: torch.Tensor    # (1, L) each token's position in its own sequence
+    prompt_rows: torch.Tensor  # (b, P) packed index of each prompt column, L where it is padding (left)
+    tail_rows: torch.Tensor    # (N, T) packed index of each completion column, L where it is padding (right)
+    tail_keys: torch.Tensor    # (N, P + T) the keys a completion sees: its prompt's rows, then its own
+    prompt_attn: torch.Tensor  # (b, 1, P, P) True = attend
+    tail_attn: torch.Tensor    # (N, 1, T, P + T)
+    inverse: torch.Tensor      # (L,) each packed token's place in the flattened (b*P + N*T) attention output
+    before: torch.Tensor       # (K,) packed index of the hidden state that predicts each completion token
+
+
+@dataclass
+class MicroBatch:
+    prompt_ids: torch.Tensor      # (b, P) left-padded
+    prompt_mask: torch.Tensor     # (b, P)
+    repeats: torch.Tensor         # (b,) completions per prompt, summing to N
+    completion_ids: torch.Tensor  # (N, T) right-padded
+    mask: torch.Tensor            # (N, T) 1 on the tokens the loss counts
+    adv: torch.Tensor             # (N,)
+    sampler_logp: torch.Tensor    # (N, T) the sampler's log-probs
+    out_index: torch.Tensor       # (K,) flat (N*T) place of each completion token
+    targets: torch.Tensor         # (K,) the completion tokens
+    tokens: int = 0                          # the tokens the loss counts
+    seqs: int = 0                            # the sequences the loss counts (0: an empty micro-batch)
+    pairs: int = 0                           # causal (query, key) pairs of the real tokens: attention's work
+    packed: Optional[Packed] = None
+    ref_logp: Optional[torch.Tensor] = None  # (N, T) step 5
+    old_logp: Optional[torch.Tensor] = None  # (N, T) step 5, with num_iterations > 1
+
+    def model_tokens(self, shared=True):
+        """Tokens a pass over this micro-batch computes: each prompt once (shared) or once per completion, and
+        every column of the completions' rows; packed, no padding at all."""
+        prompts = self.prompt_mask.shape[1] * (len(self.repeats) if shared else int(self.repeats.sum()))
+        if self.packed is not None:
+            return self.packed.ids.shape[1]
+        return prompts + self.completion_ids.numel()
+
+    def real_tokens(self, shared=True):
+        """The tokens a pass needs: each prompt's own (once, or once per completion) and every completion's."""
+        prompt = self.prompt_mask.sum(-1)                                  # (b,)
+        return int((prompt.sum() if shared else (prompt * self.repeats).sum()).item()) + self.targets.numel()
+
+
+def build(groups, pad_id, device, pack=False):
+    """One micro-batch from [(prompt ids, [Completion], adv (n,))]: each entry a prompt and some of its group.
+    No entries: an empty micro-batch, one padding token through the model that the loss never counts."""
+    counted = bool(groups)
+    groups = groups or [([pad_id], [Completion([pad_id], [0.0])], torch.zeros(1))]
+    prompts = [p for p, _, _ in groups]
+    comps = [c for _, cs, _ in groups for c in cs]
+    repeats = torch.tensor([len(cs) for _, cs, _ in groups])              # (b,)
+    prompt_ids, prompt_mask = left_pad(prompts, pad_id, device)            # (b, P)
+    lengths = [len(c.token_ids) for c in comps]
+    N, T = len(comps), max(1, max(lengths))
+    completion_ids = torch.full((N, T), pad_id, dtype=torch.long)          # (N, T)
+    mask, sampler_logp = torch.zeros((N, T)), torch.zeros((N, T))          # (N, T)
+    for row, c in enumerate(comps):
+        if lengths[row]:
+            completion_ids[row, :lengths[row]] = torch.tensor(c.token_ids)
+            sampler_logp[row, :lengths[row]] = torch.tensor(c.logprobs)
+            mask[row, :lengths[row]] = float(counted)
+    out_index = [row * T + t for row, n in enumerate(lengths) for t in range(n)]
+    adv = torch.cat([a.reshape(-1) for _, _, a in groups]).float()         # (N,)
+    mb = MicroBatch(prompt_ids, prompt_mask, repeats.to(device), completion_ids.to(device), mask.to(device),
+                    adv.to(device), sampler_logp.to(device), torch.tensor(out_index, device=device),
+                    completion_ids.reshape(-1)[out_index].to(device), int(mask.sum()) if counted else 0,
+                    N if counted else 0, attention_pairs([len(p) for p in prompts], lengths, repeats.tolist()))
+    if pack:
+        mb.packed = packed_layout(prompts, comps, [len(cs) for _, cs, _ in groups], prompt_ids.shape[1], T, device)
+    return mb
+
+
+def attention_pairs(prompt_lengths, completion_lengths, repeats):
+    """Causal (query, key) pairs: each prompt once over itself, each completion over its prompt and itself."""
+    owner = [i for i, n in enumerate(repeats) for _ in range(n)]
+    return (sum(p * (p + 1) // 2 for p in prompt_lengths)
+            + sum(c * prompt_lengths[i] + c * (c + 1) // 2 for c, i in zip(completion_lengths, owner)))
+
+
+def packed_layout(prompts, comps, repeats, P, T, device):
+    """The Packed layout of prompts (b lists of ids) and comps (N Completions, repeats[i] of them per prompt)."""
+    from minigdpo.logprobs import masks
+
+    ids, positions, owner = [], [], [i for i, n in enumerate(repeats) for _ in range(n)]
+    starts = []
+    for p in prompts:
+        starts.append(len(ids))
+        ids += p
+        positions += range(len(p))
+    tail_starts = []
+    for j, c in enumerate(comps):
+        tail_starts.append(len(ids))
+        ids += c.token_ids
+        positions += range(len(prompts[owner[j]]), len(prompts[owner[j]]) + len(c.token_ids))
+    L = len(ids)
+    prompt_rows = [[L] * (P - len(p)) + list(range(s, s + len(p))) for p, s in zip(prompts, starts)]
+    tail_rows = [list(range(s, s + len(c.token_ids))) + [L] * (T - len(c.token_ids)) for c, s in zip(comps, tail_starts)]
+    inverse = [0] * L
+    for i, row in enumerate(prompt_rows):
+        for col, at in enumerate(row):
+            if at < L:
+                inverse[at] = i * P + col
+    for j, row in enumerate(tail_rows):
+        for t, at in enumerate(row):
+            if at < L:
+                inverse[at] = len(prompts) * P + j * T + t
+    before = [s + t - 1 if t else starts[owner[j]] + len(prompts[owner[j]]) - 1  # the first: the prompt's last
+              for j, (c, s) in enumerate(zip(comps, tail_starts)) for t in range(len(c.token_ids))]
+    as_t = lambda x: torch.tensor(x, dtype=torch.long, device=device)  # noqa: E731
+    prompt_rows, tail_rows = as_t(prompt_rows).reshape(len(prompts), P), as_t(tail_rows).reshape(len(comps), T)
+    prompt_mask = (prompt_rows < L).long()                                 # (b, P)
+    prompt_attn, tail_attn = masks(prompt_mask, as_t(owner), T, torch.bool, eager=False)
+    return Packed(as_t(ids)[None], as_t(positions)[None], prompt_rows, tail_rows,
+                  torch.cat([prompt_rows[as_t(owner)], tail_rows], dim=1), prompt_attn, tail_attn, as_t(inverse),
+                  as_t(before))
+
+
+# Cutting a step's groups ---------------------------------------------------------------------------
+
+
+def cut(groups, cfg, pad_id, device, pack):
+    """This rank's micro-batches, built, from its groups [(prompt, completions, adv (G,))]: by tokens when
+    cfg.micro_batch_tokens is set (every rank must call it: the groups move between ranks), else by count."""
+    parts = by_tokens(groups, cfg.micro_batch_tokens) if cfg.micro_batch_tokens else by_count(groups, cfg.micro_batch_size)
+    return [build(part, pad_id, device, pack) for part in parts]
+
+
+def by_count(groups, size):
+    """Micro-batches of `size` sequences from groups [(prompt, completions, adv)], prompts in order of length;
+    a group is split where `size` cuts it."""
+    seqs = [(g, j) for g in sorted(range(len(groups)), key=lambda g: len(groups[g][0])) for j in range(len(groups[g][1]))]
+    out = []
+    for s in range(0, len(seqs), size):
+        part = seqs[s:s + size]
+        owners = list(dict.fromkeys(g for g, _ in part))                   # distinct prompts, in order
+        out.append([(groups[g][0], [groups[g][1][j] for h, j in part if h == g],
+                     groups[g][2][[j for h, j in part if h == g]]) for g in owners])
+    return out
+
+
+_warned = set()
+
+
+def by_tokens(groups, budget):
+    """Every rank's groups, [(prompt, completions, adv (G,))] each, in micro-batches of at most `budget` tokens,
+    dealt to the ranks: returns this rank's micro-batches, as many on every rank (empty ones where needed)."""
+    world, rank = dist.world_size(), dist.rank()
+    sizes = dist.all_gather_object([len(p) + sum(len(c.token_ids) for c in cs) for p, cs, _ in groups])
+    ids = sorted(((r, i) for r in range(world) for i in range(len(sizes[r]))), key=lambda g: (-sizes[g[0]][g[1]], g))
+    bins, room = [], []
+    for g in ids:  # first fit, longest first
+        size = sizes[g[0]][g[1]]
+        if size > budget and "long" not in _warned:
+            _warned.add("long")
+            dist.print0(f"warning: a group of {size} tokens is longer than --micro-batch-tokens {budget}: it runs alone")
+        at = next((k for k, r in enumerate(room) if r >= size), None)
+        if at is None:
+            bins.append([])
+            room.append(budget)
+            at = len(bins) - 1
+        bins[at].append(g)
+        room[at] -= size
+    per_rank = math.ceil(len(bins) / world)
+    load, count, owner = [0] * world, [0] * world, {}
+    for b in sorted(range(len(bins)), key=lambda b: (room[b], b)):  # fullest first, to the least loaded rank
+        r = min((r for r in range(world) if count[r] < per_rank), key=lambda r: (load[r], r))
+        owner[b] = r
+        load[r] += budget - room[b]
+        count[r] += 1
+    outgoing = [{} for _ in range(world)]
+    for b, r in owner.items():
+        for g in bins[b]:
+            if g[0] == rank:
+                outgoing[r][g] = groups[g[1]]
+    received = {g: entry for part in dist.exchange_objects(outgoing) for g, entry in part.items()}
+    mine = [[received[g] for g in bins[b]] for b in sorted(owner) if owner[b] == rank]
+    return mine + [[] for _ in range(per_rank - len(mine))]  # build() makes an empty micro-batch of []
+
+
+def micro_batches(prompts, completions, advantages, size, pad_id, device, group, pack=False):
+    """Flat sequences (prompt-major, `group` per prompt: prompts[i] is completion i's prompt) in built micro-batches
+    of `size`, as train.py cuts a rank's groups by count (tests and benchmarks start from sequences)."""
+    groups = [(prompts[g * group], completions[g * group:(g + 1) * group], advantages[g * group:(g + 1) * group])
+              for g in range(len(prompts) // group)]
+    return [build(part, pad_id, device, pack) for part in by_count(groups, size)]
