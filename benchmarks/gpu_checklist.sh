@@ -9,7 +9,7 @@
 # The model is random (built from the shape, no download) with the offline byte-level tokenizer, so every
 # completion runs to --max-new-tokens (512 here: about a trained 1.5B model's GSM8K completions, not the
 # preset's 1024 limit) and prompts are bytes, 2-3x longer than with Qwen's tokenizer. DATA is GSM8K's train
-# file; OUT collects the logs and each run's metrics.jsonl.
+# file; OUT collects the logs and each run's metrics.jsonl; TRAIN_EXTRA adds flags to the train part's runs.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/gpu-checklist}
@@ -32,7 +32,9 @@ EOF
 
 a100_args() {  # the random Qwen2.5-1.5B-shaped model (built once into the cache) and the checklist's train.py flags
   MODEL=$(python3 -c "import sys; sys.argv=['x']; sys.path.insert(0, 'benchmarks'); from gpu import model_dir; print(model_dir(28, 1536, 12, 2, 8960, 151936))")
-  COMMON=(--preset a100 --sampler hf --model "$MODEL" --data "$DATA" --max-new-tokens 512 --samples-every 0 --final-eval 0)
+  # shellcheck disable=SC2206  # TRAIN_EXTRA: more flags, split on spaces (a shorter run: --batch-size 64 ...)
+  COMMON=(--preset a100 --sampler hf --model "$MODEL" --data "$DATA" --max-new-tokens 512 --samples-every 0 --final-eval 0
+          ${TRAIN_EXTRA:-})
 }
 
 case "${1:-}" in
