@@ -209,24 +209,31 @@ PACKED = "minigdpo_packed"  # the attention implementation the packed pass swaps
 def packed_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
     """Attention over a packed row, as transformers calls an attention function: query (1, h, L, d), key and
     value (1, kv, L, d), attention_mask a Packed layout. The projections, norms and MLP ran on the L packed tokens;
-    here the tokens go to padded rows (prompts (b, P); completions (N, T), their prompt's keys in front), SDPA runs
-    on them with the shared-prefix pass's masks, and the outputs come back to the packed row: (1, L, h, d)."""
-    pk, h, d = attention_mask, query.shape[1], query.shape[-1]
-    rep = h // key.shape[1]
+    here they are copied into padded rows (prompts (b, P); completions (N, T), their prompt's keys in front), SDPA
+    runs on those with the shared-prefix pass's masks, and the outputs are read back into the packed row.
+    Copies in and reads out are index_copy and index_select, whose backwards are a gather and an index_add over
+    distinct rows: an indexing that sent every padding slot to one row would accumulate their gradients into it
+    one atomic add at a time on a GPU."""
+    pk, h, d, kv = attention_mask, query.shape[1], query.shape[-1], key.shape[1]
+    (b, _, P, _), (N, _, T, _) = pk.prompt_attn.shape, pk.tail_attn.shape
+    Lp = pk.prompt_tokens
 
-    def rows(x):  # (L + 1, heads, d): a zero row at L for the padding indices
-        return torch.cat([x[0].transpose(0, 1), x.new_zeros(1, x.shape[1], d)])
+    def rows(x, part, dest, n, width):  # (1, heads, L, d) -> (n, width, heads, d): part's tokens at dest, else 0
+        flat = x[0, :, part].transpose(0, 1)                               # (tokens, heads, d)
+        return flat.new_zeros(n * width, x.shape[1], d).index_copy(0, dest, flat).view(n, width, x.shape[1], d)
 
-    q, k, v = rows(query), rows(key), rows(value)
+    def attend(q, k, v, mask):  # q (r, s, h, d); k, v (r, u, kv, d) -> (r * s, h, d)
+        k, v = (t.transpose(1, 2).repeat_interleave(h // kv, dim=1) for t in (k, v))  # (r, h, u, d)
+        out = F.scaled_dot_product_attention(q.transpose(1, 2), k, v, attn_mask=mask, dropout_p=dropout, scale=scaling)
+        return out.transpose(1, 2).reshape(-1, h, d)                       # (r * s, h, d)
 
-    def attend(qi, ki, mask):  # qi (r, s), ki (r, u) indices into the rows
-        kk, vv = (t[ki].transpose(1, 2).repeat_interleave(rep, dim=1) for t in (k, v))   # (r, h, u, d)
-        out = F.scaled_dot_product_attention(q[qi].transpose(1, 2), kk, vv, attn_mask=mask, dropout_p=dropout,
-                                             scale=scaling)                              # (r, h, s, d)
-        return out.transpose(1, 2).reshape(-1, h, d)                                     # (r * s, h, d)
-
-    out = torch.cat([attend(pk.prompt_rows, pk.prompt_rows, pk.prompt_attn),
-                     attend(pk.tail_rows, pk.tail_keys, pk.tail_attn)])[pk.inverse]     # (L, h, d)
+    prompts, tails = slice(0, Lp), slice(Lp, None)
+    k_p, v_p = (rows(t, prompts, pk.prompt_dest, b, P) for t in (key, value))               # (b, P, kv, d)
+    out_p = attend(rows(query, prompts, pk.prompt_dest, b, P), k_p, v_p, pk.prompt_attn)    # (b * P, h, d)
+    k_t, v_t = (torch.cat([mine.index_select(0, pk.owner), rows(t, tails, pk.tail_dest, N, T)], dim=1)
+                for mine, t in ((k_p, key), (v_p, value)))                                 # (N, P + T, kv, d)
+    out_t = attend(rows(query, tails, pk.tail_dest, N, T), k_t, v_t, pk.tail_attn)          # (N * T, h, d)
+    out = torch.cat([out_p.index_select(0, pk.prompt_dest), out_t.index_select(0, pk.tail_dest)])  # (L, h, d)
     return out[None], None
 
 

@@ -29,16 +29,16 @@ from minigdpo.sampler import Completion, left_pad
 
 @dataclass
 class Packed:
-    """A micro-batch as one row of L tokens, and where attention finds them (padded rows, as the shared-prefix
-    pass computes attention: a packed row would make it quadratic in L, docs/performance.md)."""
-    ids: torch.Tensor          # (1, L) prompts, then completions
+    """A micro-batch as one row of L tokens, prompts first, and where attention finds them: padded rows, as the
+    shared-prefix pass computes attention (a packed row would make it quadratic in L, docs/performance.md)."""
+    ids: torch.Tensor          # (1, L) the prompts' tokens, then the completions'
     positions: torch.Tensor    # (1, L) each token's position in its own sequence
-    prompt_rows: torch.Tensor  # (b, P) packed index of each prompt column, L where it is padding (left)
-    tail_rows: torch.Tensor    # (N, T) packed index of each completion column, L where it is padding (right)
-    tail_keys: torch.Tensor    # (N, P + T) the keys a completion sees: its prompt's rows, then its own
+    prompt_tokens: int         # the first prompt_tokens of the row are the prompts'
+    prompt_dest: torch.Tensor  # (L_p,) each prompt token's place among the prompts' padded rows, flat (b * P)
+    tail_dest: torch.Tensor    # (K,) each completion token's place among the completions' padded rows, flat (N * T)
+    owner: torch.Tensor        # (N,) each completion's prompt
     prompt_attn: torch.Tensor  # (b, 1, P, P) True = attend
     tail_attn: torch.Tensor    # (N, 1, T, P + T)
-    inverse: torch.Tensor      # (L,) each packed token's place in the flattened (b*P + N*T) attention output
     before: torch.Tensor       # (K,) packed index of the hidden state that predicts each completion token
 
 
@@ -111,41 +111,27 @@ def attention_pairs(prompt_lengths, completion_lengths, repeats):
 
 
 def packed_layout(prompts, comps, repeats, P, T, device):
-    """The Packed layout of prompts (b lists of ids) and comps (N Completions, repeats[i] of them per prompt)."""
+    """The Packed layout of prompts (b lists of ids, left-padded to P in attention's rows) and comps (N Completions,
+    repeats[i] of them per prompt, right-padded to T)."""
     from minigdpo.logprobs import masks
 
-    ids, positions, owner = [], [], [i for i, n in enumerate(repeats) for _ in range(n)]
-    starts = []
-    for p in prompts:
-        starts.append(len(ids))
-        ids += p
-        positions += range(len(p))
-    tail_starts = []
-    for j, c in enumerate(comps):
-        tail_starts.append(len(ids))
-        ids += c.token_ids
-        positions += range(len(prompts[owner[j]]), len(prompts[owner[j]]) + len(c.token_ids))
-    L = len(ids)
-    prompt_rows = [[L] * (P - len(p)) + list(range(s, s + len(p))) for p, s in zip(prompts, starts)]
-    tail_rows = [list(range(s, s + len(c.token_ids))) + [L] * (T - len(c.token_ids)) for c, s in zip(comps, tail_starts)]
-    inverse = [0] * L
-    for i, row in enumerate(prompt_rows):
-        for col, at in enumerate(row):
-            if at < L:
-                inverse[at] = i * P + col
-    for j, row in enumerate(tail_rows):
-        for t, at in enumerate(row):
-            if at < L:
-                inverse[at] = len(prompts) * P + j * T + t
-    before = [s + t - 1 if t else starts[owner[j]] + len(prompts[owner[j]]) - 1  # the first: the prompt's last
-              for j, (c, s) in enumerate(zip(comps, tail_starts)) for t in range(len(c.token_ids))]
+    owner = [i for i, n in enumerate(repeats) for _ in range(n)]
+    ids = [t for p in prompts for t in p] + [t for c in comps for t in c.token_ids]
+    positions = [k for p in prompts for k in range(len(p))]
+    positions += [len(prompts[i]) + t for c, i in zip(comps, owner) for t in range(len(c.token_ids))]
+    starts = [sum(len(p) for p in prompts[:i]) for i in range(len(prompts))]
+    prompt_dest = [i * P + P - len(p) + k for i, p in enumerate(prompts) for k in range(len(p))]
+    tail_dest = [j * T + t for j, c in enumerate(comps) for t in range(len(c.token_ids))]
+    before, at = [], len(prompt_dest)  # the first token is predicted from its prompt's last, the rest from the one before
+    for c, i in zip(comps, owner):
+        before += [starts[i] + len(prompts[i]) - 1] + list(range(at, at + len(c.token_ids) - 1))
+        at += len(c.token_ids)
     as_t = lambda x: torch.tensor(x, dtype=torch.long, device=device)  # noqa: E731
-    prompt_rows, tail_rows = as_t(prompt_rows).reshape(len(prompts), P), as_t(tail_rows).reshape(len(comps), T)
-    prompt_mask = (prompt_rows < L).long()                                 # (b, P)
-    prompt_attn, tail_attn = masks(prompt_mask, as_t(owner), T, torch.bool, eager=False)
-    return Packed(as_t(ids)[None], as_t(positions)[None], prompt_rows, tail_rows,
-                  torch.cat([prompt_rows[as_t(owner)], tail_rows], dim=1), prompt_attn, tail_attn, as_t(inverse),
-                  as_t(before))
+    prompt_mask = torch.zeros(len(prompts) * P, dtype=torch.long, device=device)
+    prompt_mask[as_t(prompt_dest)] = 1
+    prompt_attn, tail_attn = masks(prompt_mask.view(len(prompts), P), as_t(owner), T, torch.bool, eager=False)
+    return Packed(as_t(ids)[None], as_t(positions)[None], len(prompt_dest), as_t(prompt_dest), as_t(tail_dest),
+                  as_t(owner), prompt_attn, tail_attn, as_t(before))
 
 
 # Cutting a step's groups ---------------------------------------------------------------------------
