@@ -41,12 +41,11 @@ def meta_model(numbers):
         return Qwen2ForCausalLM(Qwen2Config(**numbers))
 
 
-def activations(numbers, seqs, tokens, chunk):
-    """Bytes of the update's activations with gradient checkpointing, bf16, one micro-batch:
-    each layer's input kept (L x n x T x H), one layer's recomputed forward and its gradient
+def activations(numbers, n, chunk):
+    """Bytes of the update's activations with gradient checkpointing, bf16, one micro-batch of n tokens:
+    each layer's input kept (L x n x H), one layer's recomputed forward and its gradient
     (about 8 H + 3 I values per token, twice), and the log-softmax's (chunk, V) fp32 block and its gradient."""
     H, I, L, V = (numbers[k] for k in ("hidden_size", "intermediate_size", "num_hidden_layers", "vocab_size"))
-    n = seqs * tokens
     return L * n * H * 2 + 2 * n * (8 * H + 3 * I) * 2 + 2 * chunk * V * 4
 
 
@@ -65,6 +64,9 @@ def plan(cfg, reward_model="", gpus=8):
     L, kv, hd = numbers["num_hidden_layers"], numbers["num_key_value_heads"], numbers["hidden_size"] // numbers["num_attention_heads"]
     kv_per_token = 2 * L * kv * hd * 2                                   # K and V, every layer, bf16
     T = cfg.max_prompt_len + cfg.max_new_tokens
+    # A micro-batch's tokens: its budget (each group's prompt once, its completions without padding), or by count
+    # the sequences padded to the longest, at most max_prompt_len + max_new_tokens each.
+    micro = cfg.micro_batch_tokens or cfg.micro_batch_size * T
     vllm = cfg.vllm_gpu_memory_utilization * GPU_GB * GB
     rows = []
     if cfg.lora_rank:
@@ -79,8 +81,8 @@ def plan(cfg, reward_model="", gpus=8):
                  ("gradients, fp32", 4 * N, "update only"),
                  ("reference model, bf16 (no master copy)", 2 * N, "always (`--ref-offload` moves it to CPU)")]
     rows += [("FSDP2 bf16 working copies (root + one layer)", 2 * (root + layer), "update only"),
-             (f"activations: {cfg.micro_batch_size} x {T} tokens with checkpointing, one {cfg.logprob_chunk}-token "
-              "log-softmax chunk", activations(numbers, cfg.micro_batch_size, T, cfg.logprob_chunk), "update only"),
+             (f"activations: {micro} tokens with checkpointing, one {cfg.logprob_chunk}-token log-softmax chunk",
+              activations(numbers, micro, cfg.logprob_chunk), "update only"),
              (f"vLLM: weights {2 * N / GB:.1f} GB, KV cache and workspace in the rest of "
               f"{cfg.vllm_gpu_memory_utilization} x {GPU_GB} GB", vllm, "sampling only")]
     scoring = reward_host = 0
