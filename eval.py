@@ -326,8 +326,8 @@ def main(argv=None, sampler=None, tokenizer=None, source=None):
     weights, is used instead of building one: train.py's final evaluation passes its own, under its
     process group, so that every rank takes a slice of the prompts and no second vLLM engine is built."""
     args = parse_args(argv)
-    extra = {"length_limit": args.length_limit, "length_unit": args.length_unit, "answer_format": args.answer_format}
-    task = load_task(args.task, args.data, args.split, False, {"arith_difficulty": args.arith_difficulty}, extra)
+    reward_options = {"length_limit": args.length_limit, "length_unit": args.length_unit, "answer_format": args.answer_format}
+    task = load_task(args.task, args.data, args.split, False, {"arith_difficulty": args.arith_difficulty}, reward_options)
     examples = task.examples[:args.limit] if args.limit else task.examples
     names = [r for r in args.rewards.split(",") if r] or task.rewards
     out_dir = args.output or os.path.join("runs", "eval", args.task)

@@ -26,7 +26,8 @@ Launch:
   torchrun --nnodes 2 --nproc_per_node 8 --rdzv_endpoint HOST:29500 train.py --estimator gdpo --output-dir /shared/run
   torchrun --nproc_per_node 2 train.py --preset smoke        # FSDP2 over 2 gloo ranks on CPU, seconds
 
-Shape legend: B prompts, G samples per prompt, R rewards, S = this rank's sequences.
+Shape legend: B prompts per step, G samples per prompt, R rewards, K groups trained on (B; with
+--dynamic-sampling, those found).
 """
 
 import json
@@ -39,11 +40,11 @@ from collections import deque
 import torch
 from tqdm import tqdm
 
-from minigdpo import checkpoint, config, dist, lora, microbatch, models, policy
+from minigdpo import checkpoint, config, dist, dynamic_sampling, lora, microbatch, models, policy, rollout
 from minigdpo.advantages import Condition, apply_conditions, distinct_per_group, per_reward_stats
-from minigdpo.estimators import ESTIMATORS, informative_groups
+from minigdpo.estimators import ESTIMATORS, REGISTRY
 from minigdpo.data import DataError
-from minigdpo.rollout import sample_groups, timed
+from minigdpo.rollout import timed
 from minigdpo.update import fill_logprobs, optimizer, scheduler, step_metrics, update
 from minigdpo.vllm_sampler import SamplerUnavailable, make_sampler, resolve_kind
 from rewards import PromptOrder, RewardScorer, load_task
@@ -52,8 +53,9 @@ from rewards.reward_model import RewardModelError
 
 def run_training(argv=None):
     cfg = config.parse_args(argv, __doc__)  # every value checked: a bad one costs no model load
-    extra = {"length_limit": cfg.length_limit, "length_unit": cfg.length_unit, "answer_format": cfg.answer_format}
-    task = load_task(cfg.task, cfg.data, "train", cfg.skip_bad_rows, {"arith_difficulty": cfg.arith_difficulty}, extra)
+    reward_options = {"length_limit": cfg.length_limit, "length_unit": cfg.length_unit, "answer_format": cfg.answer_format}
+    task = load_task(cfg.task, cfg.data, "train", cfg.skip_bad_rows, {"arith_difficulty": cfg.arith_difficulty},
+                     reward_options)
     names, conditions, weights, scorer = rewards_setup(cfg, task)
     config.check_sampler(cfg, resolve_kind(cfg.sampler))  # a missing vLLM or GPU, or settings vLLM cannot honour
     path = models.resolve_model(cfg.model)  # built-in models are built before the process group exists
@@ -65,12 +67,12 @@ def run_training(argv=None):
         device = dist.init(cfg.sharding)
     except ValueError as e:  # nodes with different numbers of ranks cannot form an HSDP mesh
         raise config.ConfigError(f"--sharding {cfg.sharding}: {e}") from None
-    derived = config.resolve(cfg, dist.world_size(), len(task.examples), dist.mesh().shape)
+    sizes = config.resolve(cfg, dist.world_size(), len(task.examples), dist.mesh().shape)
     checkpoint.check_shared(cfg.output_dir)  # multi-node: one filesystem for every rank, checked before any load
-    run = config.describe(cfg, derived) | {"rewards": names}
+    run = config.describe(cfg, sizes) | {"rewards": names}
     dist.print0(f"minigdpo: {cfg.estimator} on {cfg.task} ({len(task.examples)} prompts"
                 + (f", {task.skipped} malformed rows skipped" if task.skipped else "") + f"), rewards {names}")
-    dist.print0(" ".join(f"{k}={v}" for k, v in vars(derived).items()))
+    dist.print0(" ".join(f"{k}={v}" for k, v in vars(sizes).items()))
     torch.manual_seed(cfg.seed)
 
     # The trained policy, its frozen reference (with LoRA: the policy, adapters off), the sampler's copy.
@@ -87,7 +89,7 @@ def run_training(argv=None):
     # parameter (6N in full fine-tuning; LoRA's frozen weights get none). Recomputation is not counted (MFU).
     flops_per_token = 4 * n_params + 2 * n_trainable
     attention_flops = 12 * lm_config.num_hidden_layers * lm_config.hidden_size  # per causal (query, key) pair
-    sched = scheduler(opt, derived.total_steps * cfg.num_iterations, cfg.warmup_ratio, cfg.lr_schedule)
+    sched = scheduler(opt, sizes.total_steps * cfg.num_iterations, cfg.warmup_ratio, cfg.lr_schedule)
     stop_ids = models.stop_token_ids(model.lm.config, model.lm.generation_config, tokenizer)
     sampler = make_sampler(cfg.sampler, path, device, tokenizer, stop_ids, dtype, seed=cfg.seed + dist.rank(),
                            gpu_memory_utilization=cfg.vllm_gpu_memory_utilization, kv_cache_gib=cfg.vllm_kv_cache_gib,
@@ -105,44 +107,43 @@ def run_training(argv=None):
         else:
             state = checkpoint.load(last, model, opt, sched)
             start, cursor = state["step"], state["cursor"]
-            sampler.load_weights(model.hf_state(dtype))
+            sampler.load_weights(model.whole_weights(dtype))
             dist.print0(f"resumed from {last} at step {start}")
 
     order = PromptOrder(len(task.examples), cfg.seed)
-    options = estimator_options(cfg)
+    options = REGISTRY[cfg.estimator].options(cfg)  # the estimator's own flags (gd2po's mode and tau, SAW's shift)
+    log = Logger(cfg.output_dir, sizes.total_steps, start, run, cfg.wandb)
 
-    def informative(rewards):  # (B,) the groups the estimator can learn from: its own question, conditions applied
-        return informative_groups(apply_conditions(rewards, names, conditions), weights.to(rewards.device), cfg.estimator,
-                                  **options)
-
-    log = Logger(cfg.output_dir, derived.total_steps, start, run, cfg.wandb)
-    rank = dist.rank()
-
-    for step in range(start + 1, derived.total_steps + 1):
+    for step in range(start + 1, sizes.total_steps + 1):
         seconds, t_step = {}, time.perf_counter()
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
-        # 1-3. Prompts, G completions each, their rewards: this rank's share of B groups (minigdpo/rollout.py).
-        sampled, cursor = sample_groups(step, cursor, order, task, tokenizer, sampler, scorer, cfg, derived,
-                                        informative, seconds)
-        groups, K = sampled.groups, len(sampled.rewards)  # K: the same on every rank, a multiple of the world size
-        if K:  # the trainer gets the accelerator's memory; a sleeping vLLM drops its weights until step 7's sync
+        # 1-3. Prompts, G completions each, their rewards (minigdpo/rollout.py): each rank samples its share.
+        if cfg.dynamic_sampling:  # rounds of fresh prompts until B groups can be learned from
+            batch, cursor = dynamic_sampling.sample(step, cursor, order, task, tokenizer, sampler, scorer, cfg, sizes,
+                                                    names, conditions, weights, seconds)
+        else:  # one round; the sampler sleeps before scoring: an update, and so a weight sync, follows
+            examples, seed = rollout.step_prompts(step, cursor, order, task, cfg, sizes)
+            batch = rollout.rollout(examples, seed, tokenizer, sampler, scorer, cfg, seconds, sleep=True)
+            cursor += sizes.prompts_per_step
+        n_groups = len(batch.rewards)  # every rank's, a multiple of the world size
+        if n_groups:  # the trainer gets the accelerator's memory; a sleeping vLLM drops its weights until step 7
             sampler.sleep()
 
         # 4. Advantages over the global batch (GDPO's batch step must see every rank's groups).
-        rewards, lengths = sampled.rewards, sampled.lengths                    # (K, G, R), (K, G)
-        shaped = apply_conditions(rewards, names, conditions)                  # (K, G, R) Eq. 8
-        adv_all = ESTIMATORS[cfg.estimator](shaped, weights.to(rewards.device), lengths=lengths, **options)  # (K, G)
-        first, last = rank * K // dist.world_size(), (rank + 1) * K // dist.world_size()
-        adv = adv_all[first:last].float().cpu()                                 # (K / world, G) this rank's groups
+        conditioned = apply_conditions(batch.rewards, names, conditions)                      # (K, G, R) Eq. 8
+        adv_all = ESTIMATORS[cfg.estimator](conditioned, weights.to(conditioned.device), lengths=batch.lengths,
+                                            **options)                                          # (K, G)
+        first = dist.rank() * n_groups // dist.world_size()
+        adv = adv_all[first:first + len(batch.prompts)].float().cpu()                         # (this rank's K, G)
 
-        if K == 0:  # --dynamic-sampling at its cap found no group to learn from: no update this step
+        if n_groups == 0:  # --dynamic-sampling at its cap found no group to learn from: no update this step
             totals = None
         else:
-            # 5. Reference (and old) log-probs, one no-grad pass in micro-batches.
+            # 5. Micro-batches (minigdpo/microbatch.py); the reference's log-probs (and the old policy's).
             with timed(seconds, "logprob"):
-                mine = [(g["prompt"], g["completions"], a) for g, a in zip(groups, adv)]
-                batches = microbatch.cut(mine, cfg, tokenizer.pad_token_id, device, cfg.padding_free and model.shares_prefix)
+                groups = list(zip(batch.prompts, batch.completions, adv))
+                batches = microbatch.cut(groups, cfg, tokenizer.pad_token_id, device, cfg.padding_free and model.shares_prefix)
                 if ref is not None:
                     fill_logprobs(ref, batches, "ref_logp", cfg, reshard=True)
                 elif adapters and cfg.beta > 0:
@@ -151,40 +152,43 @@ def run_training(argv=None):
                 if cfg.num_iterations > 1:
                     fill_logprobs(model, batches, "old_logp", cfg)
 
-            # 6. The policy update: num_iterations optimizer steps over the micro-batches.
+            # 6. The policy update: num_iterations optimizer steps over the micro-batches (minigdpo/update.py).
             with timed(seconds, "update"):
                 totals = update(model, opt, sched, batches, cfg)
 
             # 7. The sampler gets the new weights, streamed one whole tensor at a time.
             with timed(seconds, "sync"):
-                sampler.load_weights(model.hf_state(dtype))
+                sampler.load_weights(model.whole_weights(dtype))
 
         # 8. Log, and checkpoint when due. Rewards and lengths describe every completion sampled this step.
-        m = reward_metrics(sampled.all_rewards, names, sampled.counts) | sampled.stats
+        m = reward_metrics(batch.sampled_rewards, names, batch.failures) | batch.stats
+        if not cfg.dynamic_sampling:  # what dynamic sampling would have dropped, logged without it too
+            m["sampling/uninformative_frac"] = 1 - dynamic_sampling.informative(
+                batch.rewards, names, conditions, weights, cfg).float().mean().item()
         if totals is not None:
             m |= step_metrics(totals) | throughput(batches, model, cfg, flops_per_token, attention_flops, seconds) | {
                 "adv/mean": adv_all.mean().item(), "adv/std": adv_all.std().item(),
                 "adv/distinct_per_group": distinct_per_group(adv_all).float().mean().item(),
                 "adv/zero_groups": (adv_all.abs().amax(dim=1) < 1e-6).float().mean().item(),
-                **per_reward_stats(shaped, names)}
+                **per_reward_stats(conditioned, names)}
             if m["sampler/logp_gap"] > gap_warn:
                 log.write(f"warning: step {step}: sampler/trainer log-prob gap {m['sampler/logp_gap']:.3g} > "
                           f"{gap_warn:g} (stale or broken weight sync?)", error=True)
-        lens = sampled.all_lengths
-        m |= {"completion/len_mean": lens.mean().item(), "completion/len_max": lens.max().item(), "lr": sched.get_last_lr()[0],
-              "completion/truncated_frac": sampled.truncated.mean().item(),
+        lens = batch.sampled_lengths
+        m |= {"completion/len_mean": lens.mean().item(), "completion/len_max": lens.max().item(),
+              "completion/truncated_frac": batch.truncated.mean().item(), "lr": sched.get_last_lr()[0],
               "throughput/gen_tokens_per_s": lens.sum().item() / max(seconds["generate"], 1e-9)}
         m |= {f"time/{k}": v for k, v in seconds.items()} | {"time/step": time.perf_counter() - t_step}
         if device.type == "cuda":  # the step's peak over every phase, this rank's (rank 0 logs)
             m["memory/peak_allocated_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
             m["memory/peak_reserved_gib"] = torch.cuda.max_memory_reserved(device) / 2**30
         log.log(step, m)
-        if cfg.samples_every and step % cfg.samples_every == 0 and groups:
-            log.samples(step, [{"prompt": tokenizer.decode(groups[0]["prompt"], skip_special_tokens=True)[-300:],
+        if cfg.samples_every and step % cfg.samples_every == 0 and batch.prompts:
+            log.samples(step, [{"prompt": tokenizer.decode(batch.prompts[0], skip_special_tokens=True)[-300:],
                                 "completion": c.text, "advantage": adv[0, i].item(),
-                                "rewards": dict(zip(names, groups[0]["rewards"][i].tolist()))}
-                               for i, c in enumerate(groups[0]["completions"][:4])])
-        if (cfg.save_every and step % cfg.save_every == 0) or step == derived.total_steps:
+                                "rewards": dict(zip(names, batch.rewards[first, i].tolist()))}
+                               for i, c in enumerate(batch.completions[0][:4])])
+        if (cfg.save_every and step % cfg.save_every == 0) or step == sizes.total_steps:
             try:
                 where = checkpoint.save(cfg.output_dir, step, model, opt, sched, tokenizer, {"cursor": cursor, **run},
                                         save_dtype, cfg.keep_checkpoints, export_hf=not adapters or cfg.merge_on_save)
@@ -219,15 +223,6 @@ def throughput(batches, model, cfg, flops_per_token, attention_flops, seconds):
             "throughput/update_tflops_per_device": passes * (flops_per_token * real + attention_flops * pairs) / secs
             / 1e12 / dist.world_size(), "throughput/attention_flops_frac": attention_flops * pairs
             / max(flops_per_token * real + attention_flops * pairs, 1)}
-
-
-def estimator_options(cfg):
-    """The keywords cfg.estimator takes besides (rewards, weights, lengths): gd2po's mode and tau, SAW's shift."""
-    if cfg.estimator == "gd2po":
-        return {"mode": cfg.gd2po_mode, "tau": cfg.gd2po_tau}
-    if cfg.estimator.startswith("saw_"):
-        return {"shift": cfg.saw_shift or None}
-    return {}
 
 
 def rewards_setup(cfg, task):

@@ -72,7 +72,7 @@ def main():
                   f"peak RSS {r['peak_rss_mb']:.0f} MB", flush=True)
     print(f"\nSmolLM2-135M-Instruct, --preset cpu-demo, {args.reps} runs x {args.steps - 1} timed steps per side "
           f"(medians; the first step of each run left out)")
-    print(f"| | trainable parameters | peak RSS | s/step | generate | logprob (reference) | update |")
+    print("| | trainable parameters | peak RSS | s/step | generate | logprob (reference) | update |")
     print("|---|---|---|---|---|---|---|")
     for name, runs in results.items():
         med = {k: statistics.median(t for r in runs for t in r["times"][k][1:]) for k in PHASES}

@@ -64,7 +64,7 @@ def dense_mask(grp, seg, is_prompt):
 def to_padded(x, prompts, comps, group, heads):
     """Packed (1, h, L, d) -> completion queries (n, h, T, d), prompt-prefixed keys (n, h, P + T, d), the mask
     (n, 1, T, P + T) and where each real completion query sits in both layouts."""
-    d, P, T = x.shape[-1], max(prompts), max(comps)
+    P, T = max(prompts), max(comps)
     n = len(comps)
     starts, pos = [], 0
     for i, p in enumerate(prompts):

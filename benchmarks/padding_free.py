@@ -52,24 +52,24 @@ def reset_peak():
 def demo_workload(path):
     """The CPU demo's step 1, sampled as train.py samples it (minigdpo/rollout.py), with its GDPO advantages."""
     from minigdpo.advantages import gdpo
-    from minigdpo.rollout import sample_groups
+    from minigdpo.rollout import rollout, step_prompts
     from minigdpo.vllm_sampler import make_sampler
     from rewards import PromptOrder, RewardScorer, load_task
 
     cfg = parse_args(["--preset", "cpu-demo"])
     task = load_task(cfg.task, cfg.data, "train", False, {"arith_difficulty": cfg.arith_difficulty})
-    derived = resolve(cfg, 1, len(task.examples), (1,))
+    sizes = resolve(cfg, 1, len(task.examples), (1,))
     tokenizer = models.load_tokenizer(path)
     lm = models.load_model(path)
     stop = models.stop_token_ids(lm.config, lm.generation_config, tokenizer)
     torch.manual_seed(cfg.seed)
     sampler = make_sampler("hf", path, torch.device("cpu"), tokenizer, stop, torch.float32, seed=cfg.seed)
-    sampled, _ = sample_groups(1, 0, PromptOrder(len(task.examples), cfg.seed), task, tokenizer, sampler,
-                               RewardScorer(task.rewards), cfg, derived, lambda r: torch.ones(len(r), dtype=torch.bool), {})
+    examples, seed = step_prompts(1, 0, PromptOrder(len(task.examples), cfg.seed), task, cfg, sizes)
+    sampled = rollout(examples, seed, tokenizer, sampler, RewardScorer(task.rewards), cfg, {})
     adv = gdpo(sampled.rewards, None).float()
     return {"pad_id": tokenizer.pad_token_id, "max_new_tokens": cfg.max_new_tokens, "size": cfg.micro_batch_size,
-            "groups": [(g["prompt"], [(c.token_ids, c.logprobs) for c in g["completions"]], a.tolist())
-                       for g, a in zip(sampled.groups, adv)]}
+            "groups": [(p, [(c.token_ids, c.logprobs) for c in cs], a.tolist())
+                       for p, cs, a in zip(sampled.prompts, sampled.completions, adv)]}
 
 
 def spread_workload(seed=0):

@@ -3,12 +3,14 @@
     python examples/gdpo_vs_grpo.py                    # every run not yet done, then the summary and the plot
     python examples/gdpo_vs_grpo.py --report           # only the summary, from the runs already done
     python examples/gdpo_vs_grpo.py --seeds 0-1 --settings arith   # a subset (the summary covers what is done)
+    python examples/gdpo_vs_grpo.py --arms gdpo+cond,grpo+cond,gd2po,saw_gdpo   # the remedy and the successors
 
 Needs vLLM's CPU build (docs/gpus.md, Sampling with vLLM) and the demo model (README command 1), and matplotlib
 for the plot. Each run is one shell line, kept with its results: `train.py` with the CPU demo's recipe (4
 prompts x G=8 a step, lr 2e-5, beta 0.04, fp32) cut to 8 steps, then `eval.py` on the first 128 held-out
 arith problems, greedy, on the step-8 checkpoint. (A 12-step run with its evaluation took 7.5 min here; 8
-steps bring the 24 runs of two settings x two arms x six seeds to about two hours.) A run lives in runs/study/<setting>/<estimator>/seed<N>; a run whose
+steps bring the 24 runs of two settings x two arms x six seeds to about two hours.) A run lives in
+runs/study/<setting>/<arm>/seed<N>; a run whose
 held-out summary.json exists is skipped, so the study can span several sittings. Its checkpoint is deleted
 once evaluated (2.2 GB each; --keep-checkpoints keeps them): rerunning the run's `command` rebuilds it.
 
@@ -51,29 +53,42 @@ SETTINGS = {  # name: (extra train.py flags, the rewards eval.py scores)
     "arith": ("", "correct,integer,format"),
     "arith_length": ("--rewards correct,integer,format,length_ok --length-limit 22", "correct,integer,format,length_ok"),
 }
-ARMS = ("gdpo", "grpo")
+# Arms: name -> (train.py flags, the settings it runs in). The remedy and the successors are for rewards that pull
+# against each other, so they run where the length limit pulls against correctness. Fixed before any result:
+# the paper's remedy (Eq. 8) conditions the easy reward on the hard one, for both estimators; GD2PO at its released
+# scripts' defaults (snr, tau 0.8: tool-calling/scripts/*/train_gd2po_snr.sh) and SAW-GDPO at shift 0 (its +3 is
+# for ToolRL's correctness in [-3, 3]; these rewards are in [0, 1], their means away from 0).
+CONDITION = "--condition 'length_ok:correct>=1'"
+ARMS = {"gdpo": ("--estimator gdpo", ("arith", "arith_length")), "grpo": ("--estimator grpo", ("arith", "arith_length")),
+        "gdpo+cond": (f"--estimator gdpo {CONDITION}", ("arith_length",)),
+        "grpo+cond": (f"--estimator grpo {CONDITION}", ("arith_length",)),
+        "gd2po": ("--estimator gd2po", ("arith_length",)), "saw_gdpo": ("--estimator saw_gdpo", ("arith_length",))}
+# The comparisons, fixed before any result: a - b, paired by seed.
+COMPARISONS = {"arith": [("gdpo", "grpo")],
+               "arith_length": [("gdpo", "grpo"), ("gdpo+cond", "gdpo"), ("gdpo+cond", "grpo+cond"), ("gd2po", "gdpo"),
+                                ("saw_gdpo", "gdpo")]}
 # Two-sided 95% quantiles of Student's t by degrees of freedom (t_0.975), for intervals over a few seeds.
 T975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262, 10: 2.228,
         11: 2.201, 12: 2.179, 13: 2.160, 14: 2.145, 15: 2.131, 16: 2.120, 17: 2.110, 18: 2.101, 19: 2.093}
 
 
-def run_dir(setting, estimator, seed):
-    return os.path.join("runs", "study", setting, estimator, f"seed{seed}")
+def run_dir(setting, arm, seed):
+    return os.path.join("runs", "study", setting, arm, f"seed{seed}")
 
 
-def command(setting, estimator, seed):
+def command(setting, arm, seed):
     """The one shell line, run from the repository root, that trains the run and evaluates it held out."""
-    out = run_dir(setting, estimator, seed)
+    out = run_dir(setting, arm, seed)
     flags, rewards = SETTINGS[setting]
-    train = f"python train.py {RECIPE} {flags} --estimator {estimator} --seed {seed} --output-dir {out}".replace("  ", " ")
+    train = f"python train.py {RECIPE} {flags} {ARMS[arm][0]} --seed {seed} --output-dir {out}".replace("  ", " ")
     heldout = (f"python eval.py --model {out}/checkpoints/step_{STEPS:06d}/hf --rewards {rewards} --limit {HELDOUT} "
                f"--sampler vllm --output {out}/heldout")
     return f"{train} && {heldout}"
 
 
-def read_run(setting, estimator, seed):
+def read_run(setting, arm, seed):
     """The run's entry from its directory (None while it has no held-out summary)."""
-    out = os.path.join(ROOT, run_dir(setting, estimator, seed))
+    out = os.path.join(ROOT, run_dir(setting, arm, seed))
     summary = os.path.join(out, "heldout", "summary.json")
     if not os.path.exists(summary):
         return None
@@ -84,7 +99,8 @@ def read_run(setting, estimator, seed):
     with open(os.path.join(out, "study_wall_s.txt")) as f:
         wall = float(f.read())
     rewards = [k for k in steps[0] if k.startswith("reward/") and k.endswith("/mean")]
-    return {"setting": setting, "estimator": estimator, "seed": seed, "command": command(setting, estimator, seed),
+    return {"setting": setting, "arm": arm, "estimator": ARMS[arm][0].split()[1], "seed": seed,
+            "command": command(setting, arm, seed),
             "heldout": {k: v for k, v in heldout.items() if isinstance(v, (int, float))},
             "train_last3": {k[:-len("/mean")]: [row[k] for row in steps[-3:]] for k in rewards},
             "curves": {k[:-len("/mean")]: [row[k] for row in steps] for k in rewards},
@@ -92,13 +108,13 @@ def read_run(setting, estimator, seed):
             "wall_s": round(wall, 1)}
 
 
-def do_run(setting, estimator, seed, keep_checkpoints):
-    out = os.path.join(ROOT, run_dir(setting, estimator, seed))
+def do_run(setting, arm, seed, keep_checkpoints):
+    out = os.path.join(ROOT, run_dir(setting, arm, seed))
     if os.path.exists(os.path.join(out, "heldout", "summary.json")):
         return
     if os.path.exists(out):  # an interrupted run: start it over, so every run is one uninterrupted command
         shutil.rmtree(out)
-    line = command(setting, estimator, seed)
+    line = command(setting, arm, seed)
     print(f"[{time.strftime('%H:%M:%S')}] {line}", flush=True)
     t0 = time.time()
     with open(os.path.join(ROOT, "runs", "study", "log.txt"), "a") as log:
@@ -145,22 +161,25 @@ def metrics_of(run):
 def summarise(runs):
     summary = {}
     for setting in SETTINGS:
-        arms = {est: sorted((r for r in runs if r["setting"] == setting and r["estimator"] == est), key=lambda r: r["seed"])
-                for est in ARMS}
-        if not all(arms.values()):
+        arms = {arm: sorted((r for r in runs if r["setting"] == setting and r["arm"] == arm), key=lambda r: r["seed"])
+                for arm in ARMS if setting in ARMS[arm][1]}
+        arms = {arm: rs for arm, rs in arms.items() if rs}
+        if not arms:
             continue
-        keys = list(metrics_of(arms[ARMS[0]][0]))
-        entry = {"per_arm": {est: {k: interval([metrics_of(r)[k] for r in rs]) for k in keys} for est, rs in arms.items()}}
-        by_seed = {est: {r["seed"]: metrics_of(r) for r in rs} for est, rs in arms.items()}
-        seeds = sorted(set(by_seed["gdpo"]) & set(by_seed["grpo"]))
-        entry["paired_gdpo_minus_grpo"] = {
-            k: paired([by_seed["gdpo"][s][k] for s in seeds], [by_seed["grpo"][s][k] for s in seeds]) for k in keys}
-        entry["seeds"] = seeds
+        keys = list(metrics_of(next(iter(arms.values()))[0]))
+        entry = {"per_arm": {arm: {k: interval([metrics_of(r)[k] for r in rs]) for k in keys} for arm, rs in arms.items()},
+                 "paired": {}, "seeds": {arm: [r["seed"] for r in rs] for arm, rs in arms.items()}}
+        by_seed = {arm: {r["seed"]: metrics_of(r) for r in rs} for arm, rs in arms.items()}
+        for a, b in COMPARISONS[setting]:
+            if a in by_seed and b in by_seed:
+                seeds = sorted(set(by_seed[a]) & set(by_seed[b]))
+                entry["paired"][f"{a} - {b}"] = {
+                    k: paired([by_seed[a][s][k] for s in seeds], [by_seed[b][s][k] for s in seeds]) for k in keys}
         entry["wall_s"] = sum(r["wall_s"] for rs in arms.values() for r in rs)
         summary[setting] = entry
     summary["total_wall_s"] = sum(r["wall_s"] for r in runs)
-    summary["intervals"] = ("per arm: mean and 95% Student-t interval over seeds; paired: mean of GDPO - GRPO over "
-                            "seeds, 95% percentile bootstrap over seeds (10,000 resamples, seed 0)")
+    summary["intervals"] = ("per arm: mean and 95% Student-t interval over seeds; paired: mean of a - b over the seeds "
+                            "both ran, 95% percentile bootstrap over seeds (10,000 resamples, seed 0)")
     return summary
 
 
@@ -170,29 +189,29 @@ def fmt(iv):
     return f"{iv['mean']:.3f} [{iv['low']:.3f}, {iv['high']:.3f}]"
 
 
-def report(summary):
+def report(summary, markdown=False):
+    """Each setting's comparisons: both arms' means and the paired difference, as text or markdown tables."""
     for setting, entry in summary.items():
         if not isinstance(entry, dict) or "per_arm" not in entry:
             continue
-        print(f"\n{setting}: {len(entry['seeds'])} paired seeds, {entry['wall_s'] / 60:.0f} min of runs")
-        print(f"{'metric':<34} {'gdpo':>24} {'grpo':>24} {'gdpo - grpo':>26} {'W/T/L':>7}")
-        for k, d in entry["paired_gdpo_minus_grpo"].items():
-            diff = f"{d['mean']:+.3f} [{d['low']:+.3f}, {d['high']:+.3f}]"
-            print(f"{k:<34} {fmt(entry['per_arm']['gdpo'][k]):>24} {fmt(entry['per_arm']['grpo'][k]):>24} "
-                  f"{diff:>26} {d['wins']}/{d['ties']}/{d['losses']:<3}")
-    print(f"\n{summary['intervals']}; total {summary['total_wall_s'] / 60:.0f} min of runs")
-
-
-def markdown(summary):
-    """The summary as markdown tables, one per setting (what docs/results.md shows)."""
-    for setting, entry in summary.items():
-        if not isinstance(entry, dict) or "per_arm" not in entry:
-            continue
-        print(f"\n{setting}, {len(entry['seeds'])} seeds per arm:\n")
-        print("| metric | GDPO | GRPO | GDPO - GRPO | GDPO wins / ties / losses |\n|---|---|---|---|---|")
-        for k, d in entry["paired_gdpo_minus_grpo"].items():
-            print(f"| {k} | {fmt(entry['per_arm']['gdpo'][k])} | {fmt(entry['per_arm']['grpo'][k])} | "
-                  f"{d['mean']:+.3f} [{d['low']:+.3f}, {d['high']:+.3f}] | {d['wins']} / {d['ties']} / {d['losses']} |")
+        for name, diffs in entry["paired"].items():
+            a, b = name.split(" - ")
+            n = next(iter(diffs.values()))["n"]
+            if markdown:
+                print(f"\n{setting}, {name}, {n} paired seeds:\n")
+                print(f"| metric | {a} | {b} | {a} - {b} | wins / ties / losses |\n|---|---|---|---|---|")
+            else:
+                print(f"\n{setting}: {name}, {n} paired seeds")
+                print(f"{'metric':<34} {a:>24} {b:>24} {'difference':>26} {'W/T/L':>7}")
+            for k, d in diffs.items():
+                diff = f"{d['mean']:+.3f} [{d['low']:+.3f}, {d['high']:+.3f}]"
+                cells = (fmt(entry["per_arm"][a][k]), fmt(entry["per_arm"][b][k]))
+                if markdown:
+                    print(f"| {k} | {cells[0]} | {cells[1]} | {diff} | {d['wins']} / {d['ties']} / {d['losses']} |")
+                else:
+                    print(f"{k:<34} {cells[0]:>24} {cells[1]:>24} {diff:>26} {d['wins']}/{d['ties']}/{d['losses']:<3}")
+    if not markdown:
+        print(f"\n{summary['intervals']}; total {summary['total_wall_s'] / 60:.0f} min of runs")
 
 
 def plot(runs, path):
@@ -206,8 +225,8 @@ def plot(runs, path):
     for row, setting in zip(axes, settings):
         rewards = list(next(r for r in runs if r["setting"] == setting)["curves"])
         for ax, reward in zip(row, rewards):
-            for est, colour in zip(ARMS, ("tab:blue", "tab:orange")):
-                curves = np.array([r["curves"][reward] for r in runs if r["setting"] == setting and r["estimator"] == est])
+            for est, colour in zip(ARMS, ("tab:blue", "tab:orange", "tab:green", "tab:red", "tab:purple", "tab:brown")):
+                curves = np.array([r["curves"][reward] for r in runs if r["setting"] == setting and r["arm"] == est])
                 if not len(curves):
                     continue
                 steps = np.arange(1, curves.shape[1] + 1)
@@ -237,6 +256,7 @@ def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--seeds", default="0-5", help="seeds, as N or N-M (default 0-5)")
     p.add_argument("--settings", default=",".join(SETTINGS), help="comma-separated, of: " + ", ".join(SETTINGS))
+    p.add_argument("--arms", default=",".join(ARMS), help="comma-separated, of: " + ", ".join(ARMS))
     p.add_argument("--report", action="store_true", help="only summarise the runs already done")
     p.add_argument("--keep-checkpoints", action="store_true", help="keep each run's checkpoint after its evaluation")
     p.add_argument("--markdown", action="store_true", help="also print the summary as markdown tables")
@@ -249,9 +269,10 @@ def main():
     if not args.report:
         for seed in parse_seeds(args.seeds):  # seed-major: a study cut short still holds paired seeds
             for setting in settings:
-                for est in ARMS:
-                    do_run(setting, est, seed, args.keep_checkpoints)
-    runs = [r for s in SETTINGS for e in ARMS for seed in range(100) if (r := read_run(s, e, seed))]
+                for arm in args.arms.split(","):
+                    if setting in ARMS[arm][1]:
+                        do_run(setting, arm, seed, args.keep_checkpoints)
+    runs = [r for s in SETTINGS for a in ARMS for seed in range(100) if (r := read_run(s, a, seed))]
     summary = summarise(runs)
     os.makedirs(os.path.dirname(RESULTS), exist_ok=True)
     with open(RESULTS, "w") as f:
@@ -259,7 +280,7 @@ def main():
     print(f"wrote {os.path.relpath(RESULTS, ROOT)} ({len(runs)} runs)")
     report(summary)
     if args.markdown:
-        markdown(summary)
+        report(summary, markdown=True)
     if runs:
         plot(runs, PLOT)
 

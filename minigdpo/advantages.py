@@ -40,13 +40,13 @@ from dataclasses import dataclass
 
 import torch
 
-EPS = 1e-4         # added to every std, as in the released TRL code
-VERL_EPS = 1e-6    # verl's GRPO group step: std + 1e-6 (verl/trainer/ppo/core_algos.py)
-WHITEN_EPS = 1e-8  # verl's masked_whiten: rsqrt(var + 1e-8) (verl/utils/torch_functional.py)
-NEMO_EPS = 1e-6    # NeMo-RL's per-reward step: std + 1e-6 (nemo_rl/algorithms/advantage_estimator.py)
+STD_EPS = 1e-4         # added to every std, as in the released TRL code
+VERL_STD_EPS = 1e-6    # added to verl's group std: std + 1e-6 (verl/trainer/ppo/core_algos.py)
+WHITEN_VAR_EPS = 1e-8  # added to the variance in verl's masked_whiten: rsqrt(var + 1e-8) (verl/utils/torch_functional.py)
+NEMO_STD_EPS = 1e-6    # added to NeMo-RL's per-reward std (nemo_rl/algorithms/advantage_estimator.py)
 
 
-def _weights(rewards, weights):
+def weights_of(rewards, weights):
     """Default weights are 1 per reward; check the shape once."""
     R = rewards.shape[-1]
     if weights is None:
@@ -57,7 +57,7 @@ def _weights(rewards, weights):
     return weights
 
 
-def group_zscore(x, eps=EPS, scale=True):
+def group_zscore(x, eps=STD_EPS, scale=True):
     """(x - mean_g) / (std_g + eps) over dim 1, ignoring NaN entries.
 
     x: (B, G) or (B, G, R). NaN entries, constant groups and groups with fewer than two
@@ -84,7 +84,7 @@ def _weighted_sum(rewards, weights):
     return torch.where(torch.isnan(rewards).all(dim=-1), math.nan, s)
 
 
-def grpo(rewards, weights=None, eps=EPS, lengths=None):
+def grpo(rewards, weights=None, eps=STD_EPS, lengths=None):
     """GRPO on the summed reward (the paper's baseline, Sec. 2).
 
         s_i = sum_k w_k r_k,i
@@ -93,20 +93,20 @@ def grpo(rewards, weights=None, eps=EPS, lengths=None):
     Different reward combinations with the same sum s get the same advantage: this is
     the "reward collapse" that GDPO removes.
     """
-    s = _weighted_sum(rewards, _weights(rewards, weights))          # (B, G)
+    s = _weighted_sum(rewards, weights_of(rewards, weights))          # (B, G)
     return group_zscore(s, eps)                                      # (B, G)
 
 
-def grpo_no_std(rewards, weights=None, eps=EPS, lengths=None):
+def grpo_no_std(rewards, weights=None, eps=STD_EPS, lengths=None):
     """GRPO without the std division: the paper's "GRPO w/o std" ablation.
 
         A_i = s_i - mean_g(s),   s_i = sum_k w_k r_k,i
     """
-    s = _weighted_sum(rewards, _weights(rewards, weights))          # (B, G)
+    s = _weighted_sum(rewards, weights_of(rewards, weights))          # (B, G)
     return group_zscore(s, eps, scale=False)                         # (B, G)
 
 
-def gdpo(rewards, weights=None, eps=EPS, lengths=None, single_reward_grpo=True):
+def gdpo(rewards, weights=None, eps=STD_EPS, lengths=None, single_reward_grpo=True):
     """GDPO: normalise each reward within its group, sum, then normalise over the batch.
 
         A_k,i  = (r_k,i - mean_g(r_k)) / (std_g(r_k) + eps)          Eq. 4, per reward k
@@ -131,13 +131,13 @@ def gdpo(rewards, weights=None, eps=EPS, lengths=None, single_reward_grpo=True):
     return torch.where(has_reward, a, 0.0)
 
 
-def gdpo_group(rewards, weights=None, eps=EPS):
+def gdpo_group(rewards, weights=None, eps=STD_EPS):
     """GDPO's group step, Eq. 4-5 (weighted as in Eq. 7): each reward z-scored in its group, then summed."""
     a_k = group_zscore(rewards, eps)                                 # (B, G, R)  Eq. 4
-    return (a_k * _weights(rewards, weights)).sum(dim=-1)            # (B, G)     Eq. 5, 7
+    return (a_k * weights_of(rewards, weights)).sum(dim=-1)            # (B, G)     Eq. 5, 7
 
 
-def gdpo_verl(rewards, weights=None, eps=VERL_EPS, lengths=None):
+def gdpo_verl(rewards, weights=None, eps=VERL_STD_EPS, lengths=None):
     """GDPO as verl-GDPO computes it: eps 1e-6, then a token-weighted whitening of the batch.
 
         A_k,i   = (r_k,i - mean_g(r_k)) / (std_g(r_k) + eps)     group step, eps = 1e-6
@@ -187,10 +187,10 @@ def token_whiten(a, L, mean_eps=0.0):
         return torch.zeros_like(a)
     mu = (L * a).sum() / (n + mean_eps)                              # ()
     var = (L * (a - mu).pow(2)).sum() / (n + mean_eps) * (n / (n - 1))  # ()
-    return torch.where(L > 0, (a - mu) * torch.rsqrt(var + WHITEN_EPS), 0.0)  # (B, G)
+    return torch.where(L > 0, (a - mu) * torch.rsqrt(var + WHITEN_VAR_EPS), 0.0)  # (B, G)
 
 
-def leave_one_out_zscore(x, eps=NEMO_EPS):
+def leave_one_out_zscore(x, eps=NEMO_STD_EPS):
     """Each sample against the other samples of its group, as NeMo-RL scores them.
 
         b_i = mean_{j != i} x_j,   s_i = std_{j != i} x_j  (Bessel over the G-1 others)
@@ -220,7 +220,7 @@ def leave_one_out_zscore(x, eps=NEMO_EPS):
     return torch.where(valid & (n >= 2), z, 0.0)
 
 
-def gdpo_nemo(rewards, weights=None, eps=NEMO_EPS, lengths=None, leave_one_out=True):
+def gdpo_nemo(rewards, weights=None, eps=NEMO_STD_EPS, lengths=None, leave_one_out=True):
     """GDPO as NeMo-RL computes it: leave-one-out baselines, then a plain batch z-score.
 
         A_k,i   = (r_k,i - b_k,i) / (s_k,i + eps)   if s_k,i > 0, else r_k,i - b_k,i
@@ -255,12 +255,12 @@ def gdpo_nemo(rewards, weights=None, eps=NEMO_EPS, lengths=None, leave_one_out=T
     return torch.where(has_reward, a, 0.0)
 
 
-def gdpo_nemo_group(rewards, weights=None, eps=NEMO_EPS, leave_one_out=True):
+def gdpo_nemo_group(rewards, weights=None, eps=NEMO_STD_EPS, leave_one_out=True):
     """NeMo-RL's group step: each reward against its leave-one-out baseline, then the weighted sum."""
     if rewards.shape[-1] < 2:
         raise ValueError("gdpo_nemo needs two or more rewards, as NeMo-RL's GDPO estimator does; use grpo for one")
     per_reward = leave_one_out_zscore(rewards, eps) if leave_one_out else group_zscore(rewards, eps)  # (B, G, R)
-    return (per_reward * _weights(rewards, weights)).sum(dim=-1)     # (B, G)
+    return (per_reward * weights_of(rewards, weights)).sum(dim=-1)     # (B, G)
 
 
 def per_reward_stats(rewards, names):

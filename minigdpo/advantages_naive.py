@@ -5,7 +5,7 @@ states each equation. rewards is a nested list (B, G, R) of floats, NaN where a 
 
 import math
 
-from minigdpo.advantages import EPS, NEMO_EPS, VERL_EPS, WHITEN_EPS
+from minigdpo.advantages import NEMO_STD_EPS, STD_EPS, VERL_STD_EPS, WHITEN_VAR_EPS
 
 
 def _mean_std(values):
@@ -41,17 +41,17 @@ def _naive_sums(rewards, weights):
     return out
 
 
-def grpo_naive(rewards, weights=None, eps=EPS, lengths=None):
+def grpo_naive(rewards, weights=None, eps=STD_EPS, lengths=None):
     """Loop-over-groups GRPO; rewards is a nested list (B, G, R) of floats."""
     return [_zscore_list(sums, eps) for sums in _naive_sums(rewards, weights)]
 
 
-def grpo_no_std_naive(rewards, weights=None, eps=EPS, lengths=None):
+def grpo_no_std_naive(rewards, weights=None, eps=STD_EPS, lengths=None):
     """Loop-over-groups GRPO w/o std."""
     return [_zscore_list(sums, eps, scale=False) for sums in _naive_sums(rewards, weights)]
 
 
-def _gdpo_sums(rewards, weights, eps):
+def gdpo_sums(rewards, weights, eps):
     """GDPO's group step, one group at a time: each reward's z-scores, weighted and summed."""
     R = len(rewards[0][0])
     weights = [1.0] * R if weights is None else list(weights)
@@ -62,7 +62,7 @@ def _gdpo_sums(rewards, weights, eps):
     return summed
 
 
-def _nemo_sums(rewards, weights, eps, leave_one_out=True):
+def nemo_sums(rewards, weights, eps, leave_one_out=True):
     """NeMo-RL's group step, one sample at a time: the baseline and std of the others of its group."""
     R = len(rewards[0][0])
     weights = [1.0] * R if weights is None else list(weights)
@@ -86,11 +86,11 @@ def _applies(rewards):
     return [[not all(math.isnan(r) for r in s) for s in group] for group in rewards]
 
 
-def gdpo_naive(rewards, weights=None, eps=EPS, lengths=None):
+def gdpo_naive(rewards, weights=None, eps=STD_EPS, lengths=None):
     """Loop-over-groups GDPO: Eq. 4 per reward, Eq. 5/7 sum, Eq. 6 over the batch (GRPO for one reward)."""
     if len(rewards[0][0]) == 1:
         return grpo_naive(rewards, weights, eps)
-    summed, applies = _gdpo_sums(rewards, weights, eps), _applies(rewards)
+    summed, applies = gdpo_sums(rewards, weights, eps), _applies(rewards)
     batch = [a for g, ok in zip(summed, applies) for a, o in zip(g, ok) if o]
     if len(batch) < 2:
         return [[0.0] * len(g) for g in summed]
@@ -98,10 +98,10 @@ def gdpo_naive(rewards, weights=None, eps=EPS, lengths=None):
     return [[(a - mean) / (std + eps) if o else 0.0 for a, o in zip(g, ok)] for g, ok in zip(summed, applies)]
 
 
-def gdpo_verl_naive(rewards, weights=None, eps=VERL_EPS, lengths=None):
+def gdpo_verl_naive(rewards, weights=None, eps=VERL_STD_EPS, lengths=None):
     """Loop-over-groups verl GDPO: group z-scores, then whiten a flat list of every response token."""
     lengths = [[1] * len(g) for g in rewards] if lengths is None else lengths
-    summed = _gdpo_sums(rewards, weights, eps)
+    summed = gdpo_sums(rewards, weights, eps)
     counts = [[int(n) if o else 0 for n, o in zip(ls, ok)] for ls, ok in zip(lengths, _applies(rewards))]
     return _whiten_tokens(summed, counts)
 
@@ -115,13 +115,13 @@ def _whiten_tokens(values, counts, mean_eps=0.0):
     n = len(tokens)
     mean = sum(tokens) / (n + mean_eps)
     var = sum((t - mean) ** 2 for t in tokens) / (n + mean_eps) * n / (n - 1)
-    return [[(a - mean) / math.sqrt(var + WHITEN_EPS) if c else 0.0 for a, c in zip(g, ns)]
+    return [[(a - mean) / math.sqrt(var + WHITEN_VAR_EPS) if c else 0.0 for a, c in zip(g, ns)]
             for g, ns in zip(values, counts)]
 
 
-def gdpo_nemo_naive(rewards, weights=None, eps=NEMO_EPS, lengths=None, leave_one_out=True):
+def gdpo_nemo_naive(rewards, weights=None, eps=NEMO_STD_EPS, lengths=None, leave_one_out=True):
     """Loop-over-samples NeMo-RL GDPO: each sample's baseline and std from the others of its group."""
-    summed, applies = _nemo_sums(rewards, weights, eps, leave_one_out), _applies(rewards)
+    summed, applies = nemo_sums(rewards, weights, eps, leave_one_out), _applies(rewards)
     batch = [a for g, ok in zip(summed, applies) for a, o in zip(g, ok) if o]
     if len(batch) < 2:
         return [[0.0] * len(g) for g in summed]
@@ -130,7 +130,7 @@ def gdpo_nemo_naive(rewards, weights=None, eps=NEMO_EPS, lengths=None, leave_one
             for g, ok in zip(summed, applies)]
 
 
-def _gd2po_sums(rewards, weights, eps, lengths, mode, tau):
+def gd2po_sums(rewards, weights, eps, lengths, mode, tau):
     """GD2PO before whitening, one rollout at a time: (S, kept) per group; S is 0 for a dropped rollout."""
     R = len(rewards[0][0])
     weights = [1.0] * R if weights is None else list(weights)
@@ -151,9 +151,9 @@ def _gd2po_sums(rewards, weights, eps, lengths, mode, tau):
     return sums, kept
 
 
-def gd2po_naive(rewards, weights=None, eps=VERL_EPS, lengths=None, mode="snr", tau=0.8):
+def gd2po_naive(rewards, weights=None, eps=VERL_STD_EPS, lengths=None, mode="snr", tau=0.8):
     """Loop-over-rollouts GD2PO: conflict filter, query reweighting, then whiten the kept rollouts' tokens."""
-    sums, kept = _gd2po_sums(rewards, weights, eps, lengths, mode, tau)
+    sums, kept = gd2po_sums(rewards, weights, eps, lengths, mode, tau)
     lengths = [[1] * len(g) for g in rewards] if lengths is None else lengths
     counts = [[int(n) if o and k else 0 for n, o, k in zip(ls, ok, kp)]
               for ls, ok, kp in zip(lengths, _applies(rewards), kept)]
@@ -175,36 +175,17 @@ def saw_weights_naive(rewards, shift=None):
     return [R * cv / (sum(cvs) + 1e-8) for cv in cvs]
 
 
-def _saw_times(rewards, weights, shift):
+def saw_times(rewards, weights, shift):
     R = len(rewards[0][0])
     weights = [1.0] * R if weights is None else list(weights)
     return [w * u for w, u in zip(saw_weights_naive(rewards, shift), weights)]
 
 
-def saw_gdpo_naive(rewards, weights=None, eps=VERL_EPS, lengths=None, shift=None):
+def saw_gdpo_naive(rewards, weights=None, eps=VERL_STD_EPS, lengths=None, shift=None):
     """Loop-over-groups SAW-GDPO: verl GDPO with SAW's weights."""
-    return gdpo_verl_naive(rewards, _saw_times(rewards, weights, shift), eps, lengths)
+    return gdpo_verl_naive(rewards, saw_times(rewards, weights, shift), eps, lengths)
 
 
-def saw_grpo_naive(rewards, weights=None, eps=VERL_EPS, lengths=None, shift=None):
+def saw_grpo_naive(rewards, weights=None, eps=VERL_STD_EPS, lengths=None, shift=None):
     """Loop-over-groups SAW-GRPO: GRPO's group z-score of the SAW-weighted sum."""
-    return grpo_naive(rewards, _saw_times(rewards, weights, shift), eps)
-
-
-NAIVE = {"grpo": grpo_naive, "grpo_no_std": grpo_no_std_naive, "gdpo": gdpo_naive,
-         "gdpo_verl": gdpo_verl_naive, "gdpo_nemo": gdpo_nemo_naive,
-         "gd2po": gd2po_naive, "saw_gdpo": saw_gdpo_naive, "saw_grpo": saw_grpo_naive}
-
-# Each estimator's advantages before its batch step, group by group.
-GROUP_STEPS_NAIVE = {"grpo": grpo_naive, "grpo_no_std": grpo_no_std_naive,
-                     "gdpo": lambda r, w: grpo_naive(r, w) if len(r[0][0]) == 1 else _gdpo_sums(r, w, EPS),
-                     "gdpo_verl": lambda r, w: _gdpo_sums(r, w, VERL_EPS),
-                     "gdpo_nemo": lambda r, w: _nemo_sums(r, w, NEMO_EPS),
-                     "gd2po": lambda r, w, mode="snr", tau=0.8: _gd2po_sums(r, w, VERL_EPS, None, mode, tau)[0],
-                     "saw_gdpo": lambda r, w, shift=None: _gdpo_sums(r, _saw_times(r, w, shift), VERL_EPS),
-                     "saw_grpo": lambda r, w, shift=None: saw_grpo_naive(r, w, shift=shift)}
-
-
-def informative_groups_naive(rewards, weights, estimator, tol=1e-6, **options):
-    """One bool per group: does some sample's group-level advantage exceed tol in size?"""
-    return [any(abs(a) > tol for a in group) for group in GROUP_STEPS_NAIVE[estimator](rewards, weights, **options)]
+    return grpo_naive(rewards, saw_times(rewards, weights, shift), eps)

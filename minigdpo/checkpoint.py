@@ -163,7 +163,7 @@ def _saved_world_size(path):
 def _write_hf(model, tokenizer, path, dtype):
     """A Hugging Face directory, streamed: rank 0 writes each safetensors file as soon as it is full.
 
-    Every rank iterates model.hf_state to its end, since each step is a collective (a gather to rank 0: no
+    Every rank iterates model.whole_weights to its end, since each step is a collective (a gather to rank 0: no
     other rank holds a whole tensor). A write that fails on rank 0 stops its writing, not its
     iterating, so the ranks stay in step; returns the error or "". safetensors reports a failed write
     (a full disk among them) as a SafetensorError, not an OSError.
@@ -180,7 +180,7 @@ def _write_hf(model, tokenizer, path, dtype):
             os.makedirs(path, exist_ok=True)
     except OSError as e:
         error = _explain(e, path)
-    for name, tensor in model.hf_state(dtype, main_only=True):  # every rank iterates: each step is a collective
+    for name, tensor in model.whole_weights(dtype, main_only=True):  # every rank iterates: each step is a collective
         if not main or error:
             continue
         try:

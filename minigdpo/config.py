@@ -179,7 +179,7 @@ class Config:
     """Reward models' weights: resident, offload (CPU between scorings), shard (FSDP2), auto (shard on ranks > 1)."""
     reward_model_batch_size: int = 8
     """Conversations a reward model scores per forward pass."""
-    tis_cap: float = 0.0
+    importance_sampling_cap: float = 0.0
     """Truncated importance sampling cap for the sampler/trainer mismatch; 0 disables it."""
     logp_gap_warn: float = 0.0
     """Warn when the mean |sampler log-prob - trainer log-prob| exceeds this (a stale weight sync shows here).
@@ -305,7 +305,7 @@ def validate(cfg):
                 "max_new_tokens", "length_limit", "logprob_chunk", "keep_checkpoints", "reward_model_batch_size"]
     for name in positive:
         _check(getattr(cfg, name) >= 1, f"--{name.replace('_', '-')} must be >= 1, got {getattr(cfg, name)}")
-    for name in ["max_steps", "micro_batch_tokens", "save_every", "samples_every", "weight_decay", "max_grad_norm", "beta", "tis_cap", "final_eval",
+    for name in ["max_steps", "micro_batch_tokens", "save_every", "samples_every", "weight_decay", "max_grad_norm", "beta", "importance_sampling_cap", "final_eval",
                  "logp_gap_warn", "vllm_kv_cache_gib"]:
         value = getattr(cfg, name)
         _check(math.isfinite(value) and value >= 0, f"--{name.replace('_', '-')} must be >= 0, got {value}")
@@ -322,7 +322,7 @@ def validate(cfg):
            f"--vllm-gpu-memory-utilization must be in (0, 1), got {cfg.vllm_gpu_memory_utilization}")
     _check(cfg.reward_timeout > 0, f"--reward-timeout must be > 0, got {cfg.reward_timeout}")
     _check(1 <= cfg.arith_difficulty <= 6, f"--arith-difficulty must be in 1..6, got {cfg.arith_difficulty}")
-    _check(cfg.tis_cap == 0 or cfg.tis_cap >= 1, f"--tis-cap must be 0 (off) or >= 1, got {cfg.tis_cap}")
+    _check(cfg.importance_sampling_cap == 0 or cfg.importance_sampling_cap >= 1, f"--importance-sampling-cap must be 0 (off) or >= 1, got {cfg.importance_sampling_cap}")
     _check(bool(cfg.model.strip()), "--model must not be empty")
     _check(bool(cfg.output_dir.strip()), "--output-dir must not be empty")
     _check(cfg.seed >= 0, f"--seed must be >= 0, got {cfg.seed}")
@@ -370,7 +370,7 @@ def validate_lora(cfg):
 
 
 @dataclass
-class Derived:
+class Sizes:
     """Sizes computed from the config and the world size, printed and logged with it."""
 
     world_size: int
@@ -392,7 +392,7 @@ def resolve(cfg, world_size, num_prompts, mesh=()):
     seqs = per_rank * cfg.group_size
     _check(num_prompts >= 1, "the prompt set is empty")
     steps = cfg.max_steps or max(1, int(cfg.epochs * num_prompts) // prompts)
-    return Derived(world_size, prompts, per_rank, seqs, math.ceil(seqs / cfg.micro_batch_size), steps, tuple(mesh))
+    return Sizes(world_size, prompts, per_rank, seqs, math.ceil(seqs / cfg.micro_batch_size), steps, tuple(mesh))
 
 
 def describe(cfg, derived):

@@ -1,23 +1,68 @@
-"""Every advantage estimator by name, and the question dynamic sampling asks each of them.
+"""Every advantage estimator, registered once, and the question dynamic sampling asks each of them.
 
     ESTIMATORS[name](rewards, weights, lengths=None, **options)   # rewards (B, G, R), weights (R,) -> (B, G)
 
-GRPO, GDPO and the peers' GDPOs are in minigdpo/advantages.py, GDPO's successors in minigdpo/successors.py.
-`options` are an estimator's own keywords: gd2po's mode and tau, SAW's shift (train.py's estimator_options).
+GRPO, GDPO and the peers' GDPOs are in minigdpo/advantages.py, GDPO's successors in minigdpo/successors.py, and
+the loop-over-groups twin of each in minigdpo/advantages_naive.py. REGISTRY holds, for each name, the estimator,
+its group step (its advantages before any batch step), both twins and its own flags; the command line, dynamic
+sampling and the tests all read their lists from it. A new estimator is one function, its naive twin and one
+entry here.
 """
 
-from minigdpo import successors
-from minigdpo.advantages import VERL_EPS, gdpo, gdpo_group, gdpo_nemo, gdpo_nemo_group, gdpo_verl, grpo, grpo_no_std
+from dataclasses import dataclass
+from typing import Callable
 
-ESTIMATORS = {"grpo": grpo, "grpo_no_std": grpo_no_std, "gdpo": gdpo, "gdpo_verl": gdpo_verl, "gdpo_nemo": gdpo_nemo,
-              "gd2po": successors.gd2po, "saw_gdpo": successors.saw_gdpo, "saw_grpo": successors.saw_grpo}
+from minigdpo import advantages_naive as naive, successors
+from minigdpo.advantages import NEMO_STD_EPS, STD_EPS, VERL_STD_EPS, gdpo, gdpo_group, gdpo_nemo, gdpo_nemo_group, \
+    gdpo_verl, grpo, grpo_no_std, weights_of
 
-# Each estimator's advantages before its batch step: the within-group comparison, the only part that
-# can tell one completion of a prompt from another.
-GROUP_STEPS = {"grpo": grpo, "grpo_no_std": grpo_no_std,
-               "gdpo": lambda r, w: grpo(r, w) if r.shape[-1] == 1 else gdpo_group(r, w),
-               "gdpo_verl": lambda r, w: gdpo_group(r, w, VERL_EPS), "gdpo_nemo": gdpo_nemo_group,
-               **successors.GROUP_STEPS}
+
+@dataclass(frozen=True)
+class Estimator:
+    advantages: Callable          # (rewards, weights, lengths=None, **options) -> (B, G)
+    group_step: Callable          # (rewards, weights, **options) -> (B, G), before any batch step
+    naive: Callable               # the twin of `advantages` on nested lists, the tests' oracle
+    naive_group_step: Callable
+    options: Callable = lambda cfg: {}  # its keywords, from the run's config (its own flags)
+
+
+def _gdpo_group(r, w):
+    return grpo(r, w) if r.shape[-1] == 1 else gdpo_group(r, w)
+
+
+def _saw_gdpo_group(r, w, shift=None):
+    return gdpo_group(r, successors.saw_weights(r, shift) * weights_of(r, w), VERL_STD_EPS)
+
+
+def _gd2po_options(cfg):
+    return {"mode": cfg.gd2po_mode, "tau": cfg.gd2po_tau}
+
+
+def _saw_options(cfg):
+    return {"shift": cfg.saw_shift or None}
+
+
+REGISTRY = {
+    "grpo": Estimator(grpo, grpo, naive.grpo_naive, naive.grpo_naive),
+    "grpo_no_std": Estimator(grpo_no_std, grpo_no_std, naive.grpo_no_std_naive, naive.grpo_no_std_naive),
+    "gdpo": Estimator(gdpo, _gdpo_group, naive.gdpo_naive,
+                      lambda r, w: naive.grpo_naive(r, w) if len(r[0][0]) == 1 else naive.gdpo_sums(r, w, STD_EPS)),
+    "gdpo_verl": Estimator(gdpo_verl, lambda r, w: gdpo_group(r, w, VERL_STD_EPS), naive.gdpo_verl_naive,
+                           lambda r, w: naive.gdpo_sums(r, w, VERL_STD_EPS)),
+    "gdpo_nemo": Estimator(gdpo_nemo, gdpo_nemo_group, naive.gdpo_nemo_naive,
+                           lambda r, w: naive.nemo_sums(r, w, NEMO_STD_EPS)),
+    "gd2po": Estimator(successors.gd2po,
+                       lambda r, w, mode="snr", tau=0.8: successors.gd2po_group(r, w, mode=mode, tau=tau)[0],
+                       naive.gd2po_naive,
+                       lambda r, w, mode="snr", tau=0.8: naive.gd2po_sums(r, w, VERL_STD_EPS, None, mode, tau)[0],
+                       _gd2po_options),
+    "saw_gdpo": Estimator(successors.saw_gdpo, _saw_gdpo_group, naive.saw_gdpo_naive,
+                          lambda r, w, shift=None: naive.gdpo_sums(r, naive.saw_times(r, w, shift), VERL_STD_EPS),
+                          _saw_options),
+    "saw_grpo": Estimator(successors.saw_grpo, successors.saw_grpo, naive.saw_grpo_naive, naive.saw_grpo_naive,
+                          _saw_options),
+}
+ESTIMATORS = {name: e.advantages for name, e in REGISTRY.items()}
 
 
 def informative_groups(rewards, weights, estimator, tol=1e-6, **options):
@@ -31,4 +76,9 @@ def informative_groups(rewards, weights, estimator, tol=1e-6, **options):
     yet each reward varies and the group step gives +-0.71; under every estimator here (1,0) against
     (0,1) gives 0 (the two rewards' z-scores cancel), and so does a constant sum under GRPO.
     """
-    return GROUP_STEPS[estimator](rewards, weights, **options).abs().amax(dim=1) > tol  # (B,)
+    return REGISTRY[estimator].group_step(rewards, weights, **options).abs().amax(dim=1) > tol  # (B,)
+
+
+def informative_groups_naive(rewards, weights, estimator, tol=1e-6, **options):
+    """informative_groups' twin on nested lists: does some sample's group-level advantage exceed tol in size?"""
+    return [any(abs(a) > tol for a in group) for group in REGISTRY[estimator].naive_group_step(rewards, weights, **options)]

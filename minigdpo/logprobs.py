@@ -14,7 +14,7 @@ computes exactly the same numbers, and is the test oracle's subject, with two sa
   once and its keys and values serve all G completions. The prompt costs 1/G.
 
 `LogProbModel` wraps the Hugging Face model and is the FSDP2 root (dist.shard), so the embedding
-and the head are gathered by the root's own hooks; `hf_state` streams its weights out, whole, under
+and the head are gathered by the root's own hooks; `whole_weights` streams its weights out, whole, under
 their Hugging Face names (for the sampler and the exports).
 """
 
@@ -286,7 +286,7 @@ class LogProbModel(nn.Module):
         super().__init__()
         self.lm = lm
         self.shares_prefix = shares_prefix(lm)  # also: it can pack (the same forward, laid out otherwise)
-        self.lora = False  # policy.build sets it when peft's adapters are in lm: hf_state then merges them
+        self.lora = False  # policy.build sets it when peft's adapters are in lm: whole_weights then merges them
         if self.shares_prefix:
             for layer in decoder_layers(lm):
                 layer.layer_pair = layer_pair.__get__(layer)
@@ -321,7 +321,7 @@ class LogProbModel(nn.Module):
         return self.lm.base_model(input_ids=ids, attention_mask=attn, position_ids=(attn.cumsum(-1) - 1).clamp(min=0),
                                   use_cache=False).last_hidden_state[:, -T - 1:-1]              # (N, T, H)
 
-    def hf_state(self, dtype=None, main_only=False):
+    def whole_weights(self, dtype=None, main_only=False):
         """Yield (Hugging Face name, whole tensor) one parameter at a time, in `dtype` when given.
 
         Memory stays bounded by one full tensor. Tied weights appear once, under the first name (the

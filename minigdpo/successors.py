@@ -7,7 +7,7 @@ Called like every estimator in minigdpo/advantages.py; minigdpo/estimators.py re
     advantages = saw_grpo(rewards, weights, lengths=None, shift=None)
 
 Shape legend: B prompts, G samples per prompt, R rewards. Both papers build on verl, so their group step
-is verl's GRPO z-score, (r - mean_g) / (std_g + 1e-6) with the Bessel std (VERL_EPS), and their batch step is
+is verl's GRPO z-score, (r - mean_g) / (std_g + 1e-6) with the Bessel std (VERL_STD_EPS), and their batch step is
 verl's token-weighted masked_whiten (advantages.token_whiten): `lengths` gives each completion's tokens.
 
 The NaN rule is the other estimators': a NaN reward is left out of its group's and the batch's statistics
@@ -17,15 +17,16 @@ rewrite the rewards before any estimator runs, so they apply here unchanged.
 
 import torch
 
-from minigdpo.advantages import VERL_EPS, _weights, gdpo_group, gdpo_verl, group_zscore, grpo, token_counts, token_whiten
+from minigdpo.advantages import VERL_STD_EPS, gdpo_verl, group_zscore, grpo, token_counts, token_whiten, \
+    weights_of
 
-SIGN_EPS = 1e-8   # GD2PO: a rollout's reward advantage counts as positive above 1e-8, negative below -1e-8
-RATIO_EPS = 1e-8  # GD2PO: rho's denominator, sum_k |L A_k| + 1e-8 (gdpo_filter_ratio_conflict_eps)
-MEAN_EPS = 1e-8   # GD2PO's verl: masked_mean divides by N + 1e-8 (verl/utils/torch_functional.py)
-CV_EPS = 1e-8     # SAW: |mean| + 1e-8 under each CV, and sum of the CVs + 1e-8 under each weight
+SIGN_THRESHOLD = 1e-8      # GD2PO: a rollout's reward advantage counts as positive above 1e-8, negative below -1e-8
+RHO_EPS = 1e-8             # GD2PO: added to rho's denominator, sum_k |L A_k| + 1e-8 (gdpo_filter_ratio_conflict_eps)
+MEAN_COUNT_EPS = 1e-8      # GD2PO's verl: added to the token count masked_mean divides by (torch_functional.py)
+CV_DENOMINATOR_EPS = 1e-8  # SAW: added under each CV's |mean| and under the sum of the CVs
 
 
-def gd2po_group(rewards, weights=None, eps=VERL_EPS, lengths=None, mode="snr", tau=0.8):
+def gd2po_group(rewards, weights=None, eps=VERL_STD_EPS, lengths=None, mode="snr", tau=0.8):
     """GD2PO before its batch step: (S, keep), both (B, G); S is 0 where a rollout is dropped.
 
         A_ik  = w_k (r_ik - mean_g(r_k)) / (std_g(r_k) + eps)             per reward, in its group
@@ -38,13 +39,13 @@ def gd2po_group(rewards, weights=None, eps=VERL_EPS, lengths=None, mode="snr", t
     """
     if mode not in ("hard", "snr"):
         raise ValueError(f"gd2po mode must be 'hard' or 'snr', got {mode!r}")
-    a_k = group_zscore(rewards, eps) * _weights(rewards, weights)    # (B, G, R)
+    a_k = group_zscore(rewards, eps) * weights_of(rewards, weights)    # (B, G, R)
     u = token_counts(rewards, lengths)[..., None] * a_k              # (B, G, R)
-    conflict = (u > SIGN_EPS).any(-1) & (u < -SIGN_EPS).any(-1)      # (B, G)
+    conflict = (u > SIGN_THRESHOLD).any(-1) & (u < -SIGN_THRESHOLD).any(-1)      # (B, G)
     if mode == "hard":
         drop = conflict
     else:
-        rho = u.sum(-1) / (u.abs().sum(-1) + RATIO_EPS)              # (B, G)
+        rho = u.sum(-1) / (u.abs().sum(-1) + RHO_EPS)              # (B, G)
         drop = conflict & (rho.abs() < min(max(tau, 0.0), 1.0))      # tau clamped to [0, 1], as the code does
     has_reward = ~torch.isnan(rewards).all(dim=-1)                   # (B, G)
     kept = (has_reward & ~drop).sum(1, keepdim=True).to(a_k.dtype)  # (B, 1)
@@ -52,7 +53,7 @@ def gd2po_group(rewards, weights=None, eps=VERL_EPS, lengths=None, mode="snr", t
     return torch.where(drop, 0.0, q * a_k.sum(-1)), ~drop            # (B, G), (B, G)
 
 
-def gd2po(rewards, weights=None, eps=VERL_EPS, lengths=None, mode="snr", tau=0.8):
+def gd2po(rewards, weights=None, eps=VERL_STD_EPS, lengths=None, mode="snr", tau=0.8):
     """GD2PO: GDPO's per-reward advantages, rollouts whose rewards pull against each other dropped.
 
         S_i, keep_i from gd2po_group (conflict filter and query reweighting q_b)
@@ -78,7 +79,7 @@ def gd2po(rewards, weights=None, eps=VERL_EPS, lengths=None, mode="snr", tau=0.8
     """
     s, keep = gd2po_group(rewards, weights, eps, lengths, mode, tau)  # (B, G), (B, G)
     L = torch.where(keep, token_counts(rewards, lengths), 0.0)       # (B, G) the whitening sees kept tokens only
-    return token_whiten(s, L, mean_eps=MEAN_EPS)                     # (B, G)
+    return token_whiten(s, L, mean_eps=MEAN_COUNT_EPS)                     # (B, G)
 
 
 def saw_weights(rewards, shift=None):
@@ -106,11 +107,11 @@ def saw_weights(rewards, shift=None):
     n = valid.sum(0)                                                 # (R,)
     mean = torch.where(valid, flat, 0.0).sum(0) / n.clamp(min=1)     # (R,)
     var = torch.where(valid, flat - mean, 0.0).pow(2).sum(0) / (n - 1).clamp(min=1)  # (R,) Bessel
-    cv = torch.where(n >= 2, var.sqrt() / (mean.abs() + CV_EPS), 0.0)  # (R,)
-    return R * cv / (cv.sum() + CV_EPS)                              # (R,)
+    cv = torch.where(n >= 2, var.sqrt() / (mean.abs() + CV_DENOMINATOR_EPS), 0.0)  # (R,)
+    return R * cv / (cv.sum() + CV_DENOMINATOR_EPS)                              # (R,)
 
 
-def saw_gdpo(rewards, weights=None, eps=VERL_EPS, lengths=None, shift=None):
+def saw_gdpo(rewards, weights=None, eps=VERL_STD_EPS, lengths=None, shift=None):
     """SAW on GDPO: GDPO with SAW's batch weights, whitened over tokens as verl-GDPO does.
 
         w_k = saw_weights(r, shift)_k,   A_sum,i = sum_k w_k A_k,i (group z-scores of the unshifted r_k)
@@ -121,10 +122,10 @@ def saw_gdpo(rewards, weights=None, eps=VERL_EPS, lengths=None, shift=None):
     multiply SAW's (default 1); the shift is an input (the code adds 3.0 to correctness, none here by
     default); NaN rewards follow this module's rule.
     """
-    return gdpo_verl(rewards, saw_weights(rewards, shift) * _weights(rewards, weights), eps, lengths)
+    return gdpo_verl(rewards, saw_weights(rewards, shift) * weights_of(rewards, weights), eps, lengths)
 
 
-def saw_grpo(rewards, weights=None, eps=VERL_EPS, lengths=None, shift=None):
+def saw_grpo(rewards, weights=None, eps=VERL_STD_EPS, lengths=None, shift=None):
     """SAW on GRPO: GRPO's group z-score of the SAW-weighted sum, with no batch step.
 
         s_i = sum_k w_k r_k,i   (unshifted r, w = saw_weights(r, shift)),   A_i = (s_i - mean_g) / (std_g + 1e-6)
@@ -132,10 +133,4 @@ def saw_grpo(rewards, weights=None, eps=VERL_EPS, lengths=None, shift=None):
     Reproduces adv_estimator grpo-h in Zhaolutuan/SAW verl/trainer/ppo/ray_trainer.py, with the same
     departures as saw_gdpo.
     """
-    return grpo(rewards, saw_weights(rewards, shift) * _weights(rewards, weights), eps)
-
-
-# Each one's advantages before its batch step (estimators.GROUP_STEPS, for informative_groups).
-GROUP_STEPS = {"gd2po": lambda r, w, mode="snr", tau=0.8: gd2po_group(r, w, mode=mode, tau=tau)[0],
-               "saw_gdpo": lambda r, w, shift=None: gdpo_group(r, saw_weights(r, shift) * _weights(r, w), VERL_EPS),
-               "saw_grpo": lambda r, w, shift=None: saw_grpo(r, w, shift=shift)}
+    return grpo(rewards, saw_weights(rewards, shift) * weights_of(rewards, weights), eps)

@@ -56,14 +56,14 @@ def aggregation(name):
 
 
 def policy_loss(logp, old_logp, ref_logp, advantages, mask, *, clip_low=0.2, clip_high=0.2, beta=0.04,
-                agg="micro_batch_token_mean", norm=None, sampler_logp=None, tis_cap=0.0):
+                agg="micro_batch_token_mean", norm=None, sampler_logp=None, importance_sampling_cap=0.0):
     """Return (loss, metrics) for one micro-batch: a pure function of its tensors.
 
     logp, old_logp, ref_logp, mask: (N, T); advantages: (N,). ref_logp may be None when beta == 0.
     norm: the aggregation's normaliser (module docstring's table): micro-batches per step for
     micro_batch_token_mean (after its own token mean), tokens for token_mean, sequences for
     seq_mean_token_mean, sequences x max_len for seq_mean_token_sum_norm; default, this micro-batch alone.
-    tis_cap > 0 multiplies the surrogate (not the KL) by the truncated importance weight min(exp(old_logp - sampler_logp), tis_cap), which corrects for the
+    importance_sampling_cap > 0 multiplies the surrogate (not the KL) by the truncated importance weight min(exp(old_logp - sampler_logp), importance_sampling_cap), which corrects for the
     sampler/trainer mismatch (Yao et al., 2025). Metrics are 0-dim tensors (no host sync): sums over
     this micro-batch's valid tokens, except ratio_min and ratio_max.
     """
@@ -73,8 +73,8 @@ def policy_loss(logp, old_logp, ref_logp, advantages, mask, *, clip_low=0.2, cli
     ratio = torch.exp(logp - old_logp)                              # (N, T)
     clipped = torch.clamp(ratio, 1 - clip_low, 1 + clip_high)       # (N, T)
     pg = -torch.min(ratio * adv, clipped * adv)                     # (N, T)
-    if tis_cap:
-        pg = pg * torch.exp(old_logp - sampler_logp).clamp(max=tis_cap)  # (N, T)
+    if importance_sampling_cap:
+        pg = pg * torch.exp(old_logp - sampler_logp).clamp(max=importance_sampling_cap)  # (N, T)
     per_token = pg                                                  # (N, T)
     if beta != 0.0:
         delta = ref_logp - logp                                     # (N, T)
@@ -155,7 +155,7 @@ def update(model, opt, sched, batches, cfg):
             old = logp.detach() if mb.old_logp is None else mb.old_logp  # 1 iteration: the sampling policy is this one
             loss, stats = policy_loss(logp, old, mb.ref_logp, mb.adv, mb.mask, clip_low=cfg.clip_low,
                                       clip_high=cfg.clip_high, beta=cfg.beta, agg=agg, norm=norm,
-                                      sampler_logp=mb.sampler_logp, tis_cap=cfg.tis_cap)
+                                      sampler_logp=mb.sampler_logp, importance_sampling_cap=cfg.importance_sampling_cap)
             loss.backward()
             if it == 0:
                 stats |= {"loss": loss.detach(), "entropy": (entropy * mb.mask).sum(),

@@ -55,20 +55,21 @@ class Task:
     examples: list
     rewards: list               # the task's default rewards
     skipped: int = 0            # malformed rows skipped with skip_bad
-    extra: dict = field(default_factory=dict)  # keys added to every example (length limits, answer format)
+    reward_options: dict = field(default_factory=dict)  # keys added to every example (length limits, answer format)
 
 
-def load_task(name, data="", split="train", skip_bad=False, settings=None, extra=None):
-    """The examples of task `name`, with its default rewards and `extra` keys on every example.
+def load_task(name, data="", split="train", skip_bad=False, data_options=None, reward_options=None):
+    """The examples of task `name`, with its default rewards and `reward_options` on every example.
 
-    data: a local .jsonl/.json/.parquet file or a hub dataset ("" for the task's own); settings: what
-    a task's own data depends on (arith_difficulty, answer_format)."""
+    data: a local .jsonl/.json/.parquet file or a hub dataset ("" for the task's own); data_options: what a
+    task's own data depends on (arith_difficulty); reward_options: what its rewards read from each example
+    (length_limit, length_unit, answer_format), which the data may depend on too."""
     if name not in TASKS:
         raise DataError(f"unknown task {name!r}; choose from {', '.join(TASKS)}")
     task = importlib.import_module(TASKS[name])
-    examples, skipped = task.examples(data, split, skip_bad, {**(extra or {}), **(settings or {})})
-    extra = dict(extra or {})
-    return Task(name, [{**ex, **extra} for ex in examples], list(task.REWARDS), skipped, extra)
+    reward_options = dict(reward_options or {})
+    examples, skipped = task.examples(data, split, skip_bad, {**reward_options, **(data_options or {})})
+    return Task(name, [{**ex, **reward_options} for ex in examples], list(task.REWARDS), skipped, reward_options)
 
 
 def encode_prompt(tokenizer, messages, max_len):

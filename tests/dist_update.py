@@ -41,7 +41,7 @@ def main(out, agg, sharding, adapters=None):
     world, rank = dist.world_size(), dist.rank()
     per = S // world
     mine = slice(rank * per, (rank + 1) * per)
-    cfg = Config(num_iterations=2, temperature=1.0, logprob_chunk=3, tis_cap=0.0, clip_low=0.2, clip_high=0.2,
+    cfg = Config(num_iterations=2, temperature=1.0, logprob_chunk=3, importance_sampling_cap=0.0, clip_low=0.2, clip_high=0.2,
                  beta=0.1, loss_agg=agg, max_new_tokens=6, max_grad_norm=1.0, grad_checkpointing=False)
     batches = micro_batches(prompts[mine], comps[mine], adv[mine], 3 if world == 1 else 2, 257, device, G)
     if ref is not None:
@@ -52,7 +52,7 @@ def main(out, agg, sharding, adapters=None):
     fill_logprobs(model, batches, "old_logp", cfg)
     totals = update(model, opt, sched, batches, cfg)
     stats = step_metrics(totals)
-    params = {name: t.clone() for name, t in model.hf_state()}
+    params = {name: t.clone() for name, t in model.whole_weights()}
     if dist.is_main():
         torch.save({"params": params, "stats": stats, "mesh": tuple(dist.mesh().shape)}, out)
 

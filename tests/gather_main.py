@@ -3,7 +3,7 @@
     torchrun --nproc_per_node 2 tests/gather_main.py OUT.json SHARDING
 
 SHARDING fsdp shards over both ranks; hsdp runs them as 2 nodes of 1 (LOCAL_WORLD_SIZE=1), where
-each rank holds a replica. Rank 0 checks each tensor hf_state(main_only=True) yields against the
+each rank holds a replica. Rank 0 checks each tensor whole_weights(main_only=True) yields against the
 all-gathered one; every rank reports how many whole tensors it received.
 """
 
@@ -24,9 +24,9 @@ def main(out, sharding):
         os.environ["LOCAL_WORLD_SIZE"] = "1"
     device = dist.init(sharding)
     model = policy.build(path, device, torch.float32)
-    whole = dict(model.hf_state(torch.bfloat16))
+    whole = dict(model.whole_weights(torch.bfloat16))
     received, mismatched, names = 0, [], []
-    for name, t in model.hf_state(torch.bfloat16, main_only=True):
+    for name, t in model.whole_weights(torch.bfloat16, main_only=True):
         names.append(name)
         if t is not None:
             received += 1

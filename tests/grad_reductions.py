@@ -97,7 +97,7 @@ def main(out, sharding):
         dist.reduce_gradients = reduce
         result[mode] = {k: v / modules for k, v in counted.counts.items()} | {"micro_batches": len(batches),
                                                                               "peak_grad_bytes": peak[0]}
-        params[mode] = {n: t.clone() for n, t in model.hf_state()}
+        params[mode] = {n: t.clone() for n, t in model.whole_weights()}
     result["param_diff"] = max((params["step"][n] - params["micro_batch"][n]).abs().max().item() for n in params["step"])
     result["param_bytes_fp32"] = 4 * sum(p.numel() for p in model.parameters())
     if dist.is_main():

@@ -57,7 +57,7 @@ MUTATIONS = [
              "minigdpo/advantages.py", "var = dev.pow(2).sum(dim=1, keepdim=True) / (n - 1).clamp(min=1)",
              "var = dev.pow(2).sum(dim=1, keepdim=True) / n.clamp(min=1)", ("tests/test_advantages.py",)),
     Mutation("advantages: GDPO's reward weights (Eq. 7) ignored",
-             "minigdpo/advantages.py", "return (a_k * _weights(rewards, weights)).sum(dim=-1)", "return a_k.sum(dim=-1)",
+             "minigdpo/advantages.py", "return (a_k * weights_of(rewards, weights)).sum(dim=-1)", "return a_k.sum(dim=-1)",
              ("tests/test_advantages.py",)),
     Mutation("advantages: the eps inside the square root",
              "minigdpo/advantages.py", "z = dev / (var.sqrt() + eps)", "z = dev / (var + eps).sqrt()",

@@ -8,9 +8,9 @@ import math
 import pytest
 import torch
 
-from minigdpo.advantages import EPS, Condition, apply_conditions, gdpo, grpo, grpo_no_std
+from minigdpo.advantages import STD_EPS, Condition, apply_conditions, gdpo, grpo, grpo_no_std
 from minigdpo.estimators import ESTIMATORS
-from minigdpo.advantages_naive import NAIVE
+from minigdpo.estimators import REGISTRY
 
 S2 = math.sqrt(0.5)  # Bessel std of {0, 1}
 
@@ -20,15 +20,15 @@ def test_paper_two_sample_example_grpo_collapses_gdpo_separates():
     r = torch.tensor([[[1.0, 1.0], [0.0, 0.0]], [[1.0, 0.0], [0.0, 0.0]]])
     # GRPO: sums (2,0) and (1,0); both z-score to +-d/2 / (d/sqrt2 + eps), i.e. about +-0.7071.
     a = grpo(r)
-    assert a[0, 0].item() == pytest.approx(1.0 / (2 * S2 + EPS), abs=1e-6)
-    assert a[1, 0].item() == pytest.approx(0.5 / (S2 + EPS), abs=1e-6)
+    assert a[0, 0].item() == pytest.approx(1.0 / (2 * S2 + STD_EPS), abs=1e-6)
+    assert a[1, 0].item() == pytest.approx(0.5 / (S2 + STD_EPS), abs=1e-6)
     assert round(a[0, 0].item(), 3) == round(a[1, 0].item(), 3) == 0.707  # collapsed
     # GDPO: per reward z = 0.5 / (S2 + eps) = z1; group 0 sums to +-2 z1, group 1 to +-z1.
-    z1 = 0.5 / (S2 + EPS)
+    z1 = 0.5 / (S2 + STD_EPS)
     pre = [2 * z1, -2 * z1, z1, -z1]
     std = math.sqrt(sum(p * p for p in pre) / 3)  # batch mean is 0; Bessel over 4 samples
     a = gdpo(r)
-    assert a.flatten().tolist() == pytest.approx([p / (std + EPS) for p in pre], abs=1e-6)
+    assert a.flatten().tolist() == pytest.approx([p / (std + STD_EPS) for p in pre], abs=1e-6)
     assert a[0, 0] > a[1, 0] > 0  # "both right" now outranks "one right"
 
 
@@ -37,7 +37,7 @@ def test_gdpo_with_one_reward_falls_back_to_grpo():
     # (`apply_gdpo and len(reward_weights) > 1`); one reward goes through plain GRPO.
     r = torch.tensor([[1.0, 0.0, 0.0, 0.0], [1.0, 1.0, 1.0, 0.0]]).unsqueeze(-1)  # (B=2, G=4, R=1)
     # Group 0: mean 1/4, Bessel std sqrt((9/16 + 3/16) / 3) = 1/2; group 1 mirrors it.
-    hi, lo = 0.75 / (0.5 + EPS), 0.25 / (0.5 + EPS)
+    hi, lo = 0.75 / (0.5 + STD_EPS), 0.25 / (0.5 + STD_EPS)
     want = [hi, -lo, -lo, -lo, lo, lo, lo, -hi]
     assert gdpo(r).flatten().tolist() == pytest.approx(want, abs=1e-6)
     assert (round(hi, 4), round(-lo, 4)) == (1.4997, -0.4999)
@@ -103,7 +103,7 @@ def test_vectorised_equals_naive_reference_with_nans(name, seed):
     w = [1.0, 0.5, 2.0]
     lengths = torch.randint(0, 9, r.shape[:2], generator=torch.Generator().manual_seed(seed))  # some 0-token samples
     got = ESTIMATORS[name](r, torch.tensor(w, dtype=torch.float64), lengths=lengths)
-    want = torch.tensor(NAIVE[name](r.tolist(), w, lengths=lengths.tolist()), dtype=torch.float64)
+    want = torch.tensor(REGISTRY[name].naive(r.tolist(), w, lengths=lengths.tolist()), dtype=torch.float64)
     torch.testing.assert_close(got, want, atol=1e-9, rtol=0)
     assert torch.isfinite(got).all()
 
@@ -111,7 +111,7 @@ def test_vectorised_equals_naive_reference_with_nans(name, seed):
 def test_nan_is_left_out_of_group_statistics_and_gives_zero():
     r = torch.tensor([[[1.0], [0.0], [math.nan]]])
     a = grpo(r)
-    z = 0.5 / (S2 + EPS)  # statistics of {1, 0} only
+    z = 0.5 / (S2 + STD_EPS)  # statistics of {1, 0} only
     assert a[0].tolist() == pytest.approx([z, -z, 0.0], abs=1e-6)
 
 
@@ -150,12 +150,12 @@ def test_all_nan_sample_gets_zero_and_stays_out_of_batch_statistics():
     a = gdpo(r, single_reward_grpo=False)  # one reward, so keep the batch step explicitly
     assert a[0, 2].item() == 0.0
     # The batch statistics are those of the 5 other samples, as if the NaN sample were absent.
-    z = 0.5 / (S2 + EPS)
-    zs = [2 / 3 / (math.sqrt(1 / 3) + EPS), -1 / 3 / (math.sqrt(1 / 3) + EPS)]  # group {1, 0, 0}
+    z = 0.5 / (S2 + STD_EPS)
+    zs = [2 / 3 / (math.sqrt(1 / 3) + STD_EPS), -1 / 3 / (math.sqrt(1 / 3) + STD_EPS)]  # group {1, 0, 0}
     pre = [z, -z, zs[0], zs[1], zs[1]]
     mean = sum(pre) / 5
     std = math.sqrt(sum((p - mean) ** 2 for p in pre) / 4)
-    want = [(p - mean) / (std + EPS) for p in pre]
+    want = [(p - mean) / (std + STD_EPS) for p in pre]
     assert [a[0, 0].item(), a[0, 1].item(), *a[1].tolist()] == pytest.approx(want, abs=1e-6)
 
 

@@ -11,7 +11,6 @@ import ast
 import glob
 import os
 import subprocess
-import sys
 import time
 
 import pytest

@@ -13,7 +13,7 @@ import torch
 
 from minigdpo.advantages import distinct_per_group
 from minigdpo.estimators import ESTIMATORS
-from minigdpo.advantages_naive import NAIVE
+from minigdpo.estimators import REGISTRY
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples"))
 from collapse import COUNTED, count_distinct, distinct_rows, enumerate_groups, main  # noqa: E402
@@ -63,6 +63,6 @@ def test_gdpo_nemo_leave_one_out_scales_split_more_groups(G, R):
     # its own std, so gdpo_nemo separates groups that GDPO's shared group std maps alike.
     outcomes = list(itertools.product([0.0, 1.0], repeat=R))
     ordered = [list(g) for g in itertools.product(outcomes, repeat=G)]
-    naive = {tuple(sorted(round(a, 6) for a in row)) for row in NAIVE["gdpo_nemo"](ordered, None, eps=0.0)}
+    naive = {tuple(sorted(round(a, 6) for a in row)) for row in REGISTRY["gdpo_nemo"].naive(ordered, None, eps=0.0)}
     assert count_distinct("gdpo_nemo", G, R) == len(naive)
     assert count_distinct("gdpo_verl", G, R) == count_distinct("gdpo", G, R) < len(naive)

@@ -83,7 +83,7 @@ def test_arith_is_deterministic_and_its_answers_are_right():
 
 
 def test_extra_keys_reach_every_example():
-    task = load_task("arith", extra={"length_limit": 7})
+    task = load_task("arith", reward_options={"length_limit": 7})
     assert all(ex["length_limit"] == 7 for ex in task.examples)
 
 

@@ -170,6 +170,6 @@ def test_arith_held_out_split_shares_no_problem_with_training(difficulty):
     from rewards import load_task
 
     question = lambda ex: ex["messages"][-1]["content"]  # noqa: E731
-    train = {question(ex) for ex in load_task("arith", split="train", settings={"arith_difficulty": difficulty}).examples}
-    test = load_task("arith", split="test", settings={"arith_difficulty": difficulty}).examples
+    train = {question(ex) for ex in load_task("arith", split="train", data_options={"arith_difficulty": difficulty}).examples}
+    test = load_task("arith", split="test", data_options={"arith_difficulty": difficulty}).examples
     assert len(test) >= 1000 and not any(question(ex) in train for ex in test)

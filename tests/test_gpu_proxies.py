@@ -84,7 +84,7 @@ def test_export_keeps_the_source_checkpoints_dtype(process_group, tmp_path):
         assert {f.get_slice(k).get_dtype() for k in f.keys()} == {"BF16"}
     loaded = AutoModelForCausalLM.from_pretrained(hf)
     assert loaded.dtype == torch.bfloat16
-    live = dict(model.hf_state())
+    live = dict(model.whole_weights())
     for name, t in loaded.state_dict().items():
         torch.testing.assert_close(t, live[model.tied_names().get(name, name)].bfloat16().cpu(), rtol=0, atol=0)
 
@@ -158,7 +158,7 @@ def test_build_reads_only_shards_into_a_meta_model_with_the_same_weights(process
     monkeypatch.setattr(policy, "load_model", no_whole_load)
     for frozen, dtype in ((False, torch.float32), (True, torch.float32), (True, torch.bfloat16)):
         model = policy.build(path, process_group, dtype, frozen=frozen)
-        live = dict(model.hf_state())
+        live = dict(model.whole_weights())
         for name, t in whole.lm.state_dict().items():
             if name not in model.tied_names():
                 torch.testing.assert_close(live[name].cpu(), t.to(dtype).cpu(), rtol=0, atol=0)

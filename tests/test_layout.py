@@ -93,7 +93,7 @@ def test_the_readme_points_at_the_lines_it_names():
     pages = ["README.md"] + glob.glob(os.path.join(ROOT, "docs", "*.md"))
     readme = "".join(open(os.path.join(ROOT, p)).read() for p in pages)
     lines = open(os.path.join(ROOT, "minigdpo", "advantages.py")).read().split("\n")
-    expected = {"Eq. 4": "group_zscore(rewards, eps)", "Eq. 5": "_weights(rewards, weights)).sum",
+    expected = {"Eq. 4": "group_zscore(rewards, eps)", "Eq. 5": "weights_of(rewards, weights)).sum",
                 "Eq. 6": "/ (flat.std() + eps)", "group_zscore": "var.sqrt() + eps", "apply_conditions": "def apply_conditions"}
     anchors = [int(n) for n in re.findall(r"minigdpo/advantages\.py#L(\d+)", readme)]  # README's and docs/'s
     assert len(anchors) == len(expected)

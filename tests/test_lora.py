@@ -126,7 +126,7 @@ def test_adapters_off_is_the_base_model(tiny, process_group):
 def test_merged_weights_reproduce_the_adapted_model(tiny, process_group):
     path, tok = tiny
     model, _ = trained(path, process_group)
-    merged = dict(model.hf_state())
+    merged = dict(model.whole_weights())
     plain = models.load_model(path)
     assert set(merged) == set(plain.state_dict()) - {"lm_head.weight"}  # base names, tied head once
     plain.load_state_dict(merged, strict=False)
@@ -137,7 +137,7 @@ def test_merged_weights_reproduce_the_adapted_model(tiny, process_group):
     torch.testing.assert_close(got.cpu(), want.cpu(), rtol=0, atol=1e-5)
     # The HF sampler's log-probs of what it samples with the merged weights equal the trainer's on the same tokens.
     sampler = HFSampler(models.load_model(path), [256], tok.pad_token_id, process_group, tok)
-    sampler.load_weights(model.hf_state())
+    sampler.load_weights(model.whole_weights())
     groups = sampler.generate([[10, 11, 12], [20, 21]], 2, SamplingParams(temperature=1.0, max_new_tokens=6, seed=1))
     for prompt, group in zip([[10, 11, 12], [20, 21]], groups):
         for c in group:
@@ -157,11 +157,11 @@ def test_fake_vllm_engine_receives_merged_weights_under_base_names(tiny, process
     path, tok = tiny
     model, _ = trained(path, process_group)
     sampler = VLLMSampler(path, tok, [256], seed=3, max_model_len=128)
-    sampler.load_weights(model.hf_state())
+    sampler.load_weights(model.whole_weights())
     engine = fake_vllm.LLM.instances[-1]
     hf = models.load_model(path).state_dict()
     assert dict(engine.model.received) == {k: tuple(v.shape) for k, v in hf.items()}  # the tied head under its name too
-    merged = {k: t.cpu() for k, t in model.hf_state()}  # the fake engine keeps host tensors
+    merged = {k: t.cpu() for k, t in model.whole_weights()}  # the fake engine keeps host tensors
     layer = "model.layers.1."
     q, v = merged[layer + "self_attn.q_proj.weight"], merged[layer + "self_attn.v_proj.weight"]
     torch.testing.assert_close(engine.model.params[layer + "self_attn.qkv_proj.weight"],
@@ -195,7 +195,7 @@ def test_adapter_checkpoint_loads_with_peft_and_the_merged_export_with_transform
     assert sorted(os.listdir(where)) == ["COMPLETE", "adapter", "rng", "state", "trainer.json"]
     out = lora.merge_adapter_dir(os.path.join(where, "adapter"), str(tmp_path / "merged"))
     merged = AutoModelForCausalLM.from_pretrained(out).state_dict()
-    for name, t in model.hf_state():
+    for name, t in model.whole_weights():
         torch.testing.assert_close(merged[name], t, rtol=0, atol=1e-6)
 
 

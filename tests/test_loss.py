@@ -132,11 +132,11 @@ def test_padding_tokens_do_not_count():
 
 
 def test_importance_weight_scales_the_surrogate_only():
-    """--tis-cap: the surrogate times min(pi_trainer / pi_sampler, cap) on each token; the KL untouched."""
+    """--importance-sampling-cap: the surrogate times min(pi_trainer / pi_sampler, cap) on each token; the KL untouched."""
     logp = torch.zeros(1, 2)
     ref = torch.full((1, 2), 0.3)
     sampler = torch.tensor([[math.log(2.0), -math.log(4.0)]])  # weights 1/2, and 4 capped at 3
     base, _ = policy_loss(logp, logp, ref, torch.tensor([1.0]), torch.ones(1, 2), beta=0.1)
-    w, _ = policy_loss(logp, logp, ref, torch.tensor([1.0]), torch.ones(1, 2), beta=0.1, sampler_logp=sampler, tis_cap=3.0)
+    w, _ = policy_loss(logp, logp, ref, torch.tensor([1.0]), torch.ones(1, 2), beta=0.1, sampler_logp=sampler, importance_sampling_cap=3.0)
     kl = 0.1 * (math.exp(0.3) - 0.3 - 1)
     assert base.item() == pytest.approx(-1.0 + kl) and w.item() == pytest.approx(-(0.5 + 3.0) / 2 + kl)

@@ -246,13 +246,13 @@ def test_checkpoint_loads_with_from_pretrained_and_sync_streams_every_weight(tin
     where = checkpoint.save(str(tmp_path), 1, model, opt, sched, tok, {"cursor": 0}, torch.float32, keep=2)
     assert checkpoint.latest(str(tmp_path)) == where
     loaded = AutoModelForCausalLM.from_pretrained(os.path.join(where, "hf"))
-    live = dict(model.hf_state())
+    live = dict(model.whole_weights())
     assert "lm_head.weight" not in live and model.tied_names() == {"lm_head.weight": "model.embed_tokens.weight"}
     for name, t in loaded.state_dict().items():
         torch.testing.assert_close(t, live[model.tied_names().get(name, name)].cpu(), rtol=0, atol=0)
     # the sampler's copy follows the trained weights through load_weights
     sampler = HFSampler(models.load_model(path), [256], 257, device)
-    sampler.load_weights(model.hf_state())
+    sampler.load_weights(model.whole_weights())
     for name, t in sampler.model.state_dict().items():
         torch.testing.assert_close(t, live[model.tied_names().get(name, name)].cpu(), rtol=0, atol=0)
     from minigdpo.sampler import WeightSyncError

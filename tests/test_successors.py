@@ -17,9 +17,9 @@ import math
 import pytest
 import torch
 
-from minigdpo.advantages import VERL_EPS, Condition, apply_conditions, gdpo_group
+from minigdpo.advantages import VERL_STD_EPS, Condition, apply_conditions, gdpo_group
 from minigdpo.estimators import ESTIMATORS, informative_groups
-from minigdpo.advantages_naive import NAIVE, informative_groups_naive
+from minigdpo.estimators import REGISTRY, informative_groups_naive
 from minigdpo.successors import gd2po, gd2po_group, saw_gdpo, saw_grpo, saw_weights
 
 # Two prompts, G = 4, rewards (correctness, format).
@@ -101,7 +101,7 @@ def test_query_reweighting_scales_a_group_by_its_kept_share():
     r = torch.cat([REWARDS[:1], torch.tensor([[[1, 1], [0, 0], [1, 1], [1, 0]]], dtype=torch.float64)])
     s, keep = gd2po_group(r, mode="hard")
     assert keep.sum(1).tolist() == [2, 3]
-    full = gdpo_group(r, None, VERL_EPS)                                     # GDPO's group step, verl's eps
+    full = gdpo_group(r, None, VERL_STD_EPS)                                     # GDPO's group step, verl's eps
     torch.testing.assert_close(s[0, 2:], full[0, 2:] / 2)
     torch.testing.assert_close(s[1, :3], full[1, :3] * 3 / 4)
     assert s[0, :2].tolist() == [0, 0] and s[1, 3] == 0
@@ -147,7 +147,7 @@ def test_vectorised_equals_naive_with_options_nans_weights_and_lengths(name, opt
     lengths = torch.randint(0, 7, (6, 5), generator=g)      # some completions of 0 tokens
     w = [1.0, 0.5, 2.0]
     got = ESTIMATORS[name](r, torch.tensor(w, dtype=torch.float64), lengths=lengths, **options)
-    want = NAIVE[name](r.tolist(), w, lengths=lengths.tolist(), **options)
+    want = REGISTRY[name].naive(r.tolist(), w, lengths=lengths.tolist(), **options)
     torch.testing.assert_close(got, torch.tensor(want, dtype=torch.float64), atol=1e-9, rtol=0)
     assert got[1, 2] == 0 and torch.isfinite(got).all()
     binary = torch.randint(0, 2, (32, 4, 3), generator=g).double()

@@ -75,7 +75,7 @@ def gap(model, sampler, temperature=1.0, seed=1, top_p=1.0):
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 def test_engine_logprobs_equal_the_trainers(engine, policy_model, temperature):
     sampler, _ = engine
-    sampler.load_weights(policy_model.hf_state())
+    sampler.load_weights(policy_model.whole_weights())
     worst, _ = gap(policy_model, sampler, temperature)
     print(f"max |vLLM - trainer| log-prob at T={temperature}: {worst:.2e}")
     assert worst < FP32_GAP
@@ -85,7 +85,7 @@ def test_top_p_logprobs_are_renormalised_over_the_nucleus_so_the_refusal_stays(e
     """vLLM's processed log-probs under top-p are log p - log(nucleus mass), not the trainer's log p:
     config.check_sampler's refusal of --top-p < 1 with vLLM is needed."""
     sampler, _ = engine
-    sampler.load_weights(policy_model.hf_state())
+    sampler.load_weights(policy_model.whole_weights())
     worst, (trainer, sampled, mask) = gap(policy_model, sampler, top_p=0.5)
     shift = ((sampled - trainer) * mask).sum() / mask.sum()
     assert worst > 1e-2 and shift > 0  # renormalised: every sampled token's log-prob is raised
@@ -94,7 +94,7 @@ def test_top_p_logprobs_are_renormalised_over_the_nucleus_so_the_refusal_stays(e
 def test_a_sync_after_a_real_update_serves_the_new_weights(path, engine, process_group):
     sampler, _ = engine
     model = policy.build(path, process_group, torch.float32)
-    sampler.load_weights(model.hf_state())
+    sampler.load_weights(model.whole_weights())
     out = sampler.generate(PROMPTS, 4, SamplingParams(1.0, 1.0, 24, seed=3))
     completions = [c for g in out for c in g]
     seqs = [p for p in PROMPTS for _ in range(4)]
@@ -103,7 +103,7 @@ def test_a_sync_after_a_real_update_serves_the_new_weights(path, engine, process
     opt = optimizer(model, 2e-4, 0.0)  # one small step: a stale engine is off by less than the old default (0.1)
     update(model, opt, scheduler(opt, 1, 0.0, "constant"), batches, cfg)
     stale, stale_lp = gap(model, sampler, seed=4)  # the engine still holds the old weights
-    sampler.load_weights(model.hf_state())
+    sampler.load_weights(model.whole_weights())
     fresh, _ = gap(model, sampler, seed=4)
     print(f"log-prob gap before the sync {stale:.2e}, after {fresh:.2e}")
     mean_stale = ((stale_lp[0] - stale_lp[1]).abs() * stale_lp[2]).sum().item() / stale_lp[2].sum().item()
@@ -115,14 +115,14 @@ def test_a_sync_after_a_real_update_serves_the_new_weights(path, engine, process
 def test_a_sync_that_leaves_a_weight_stale_is_refused(engine, policy_model):
     sampler, _ = engine
     with pytest.raises(WeightSyncError, match="model.norm.weight"):
-        sampler.load_weights((n, t) for n, t in policy_model.hf_state() if n != "model.norm.weight")
+        sampler.load_weights((n, t) for n, t in policy_model.whole_weights() if n != "model.norm.weight")
     aliases, sampler.aliases = sampler.aliases, {}  # the tied head sent once, as a checkpoint stores it
     try:
         with pytest.raises(WeightSyncError, match="lm_head.weight"):
-            sampler.load_weights(policy_model.hf_state())
+            sampler.load_weights(policy_model.whole_weights())
     finally:
         sampler.aliases = aliases
-    sampler.load_weights(policy_model.hf_state())
+    sampler.load_weights(policy_model.whole_weights())
 
 
 def test_one_stream_per_prompt_and_sample_and_the_same_seed_samples_the_same(engine):

@@ -133,7 +133,7 @@ def test_streamed_names_and_shapes_equal_the_hf_state_dict(vllm, process_group, 
     path = models.resolve_model("tiny-random") if arch == "llama" else tiny_qwen2(tmp_path, tied)
     model = policy.build(path, process_group, torch.float32)
     sampler = make(path)
-    sampler.load_weights(model.hf_state())
+    sampler.load_weights(model.whole_weights())
     engine = fake_vllm.LLM.instances[-1]
     hf = models.load_model(path).state_dict()
     expected = {k: tuple(v.shape) for k, v in hf.items()}    # a tied head too: the reload does not see the tie
@@ -169,7 +169,7 @@ def test_order_of_sleep_wake_load_and_reset_over_two_steps(vllm, process_group):
         sampler.wake()
         sampler.generate([[1, 2]], 2, SamplingParams(max_new_tokens=2))
         sampler.sleep()
-        sampler.load_weights(model.hf_state())
+        sampler.load_weights(model.whole_weights())
     calls = [c for c in engine.calls if c[0] != "load"]
     # level 2: the sync rewrites every weight, so nothing is copied to the host; the reload streams from the trainer
     step = [("sleep", 2), ("reset_prefix_cache",), ("wake_up", ("weights",)), ("collective_rpc", "reload_weights"),
@@ -185,7 +185,7 @@ def test_the_engine_serves_the_synced_weights_not_a_stale_copy(vllm, process_gro
     opt = optimizer(model, 0.1, 0.0)
     sampler = make()
     engine = fake_vllm.LLM.instances[-1]
-    sampler.load_weights(model.hf_state())
+    sampler.load_weights(model.whole_weights())
     for step in range(2):
         sampler.wake()
         sampler.generate([[1, 2]], 1, SamplingParams(max_new_tokens=2))
@@ -193,9 +193,9 @@ def test_the_engine_serves_the_synced_weights_not_a_stale_copy(vllm, process_gro
         for p in model.parameters():  # an "update"
             p.grad = torch.ones_like(p)
         opt.step()
-        sampler.load_weights(model.hf_state())
+        sampler.load_weights(model.whole_weights())
         sampler.wake()
-        live = {k: t.cpu() for k, t in model.hf_state()}  # the fake engine keeps host tensors
+        live = {k: t.cpu() for k, t in model.whole_weights()}  # the fake engine keeps host tensors
         torch.testing.assert_close(engine.model.params["model.embed_tokens.weight"], live["model.embed_tokens.weight"])
         torch.testing.assert_close(engine.model.params["model.norm.weight"], live["model.norm.weight"])
 
@@ -206,7 +206,7 @@ def test_cuda_cache_is_emptied_before_every_wake_up(vllm, process_group, monkeyp
     engine = fake_vllm.LLM.instances[-1]
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: engine.calls.append(("empty_cache",)))
     sampler.sleep()
-    sampler.load_weights(model.hf_state())
+    sampler.load_weights(model.whole_weights())
     sampler.wake()
     wakes = [i for i, c in enumerate(engine.calls) if c[0] == "wake_up"]
     assert len(wakes) == 2 and all(engine.calls[i - 1] == ("empty_cache",) for i in wakes)
@@ -413,7 +413,7 @@ def test_the_sampler_refuses_to_generate_after_a_sleep_with_no_sync(vllm, proces
     sampler.sleep()
     with pytest.raises(WeightSyncError, match="discarded"):
         sampler.generate([[1, 2]], 2, SamplingParams(max_new_tokens=2))
-    sampler.load_weights(model.hf_state())
+    sampler.load_weights(model.whole_weights())
     sampler.generate([[1, 2]], 2, SamplingParams(max_new_tokens=2))  # reloaded: allowed again
 
 
@@ -470,10 +470,10 @@ def test_a_weight_the_sync_leaves_out_is_an_error_that_names_it(vllm, process_gr
     path = models.resolve_model("tiny-random")
     model = policy.build(path, process_group, torch.float32)
     sampler = make() if backend == "vllm" else HFSampler(models.load_model(path), [STOP], 0, torch.device("cpu"))
-    sampler.load_weights(model.hf_state())
+    sampler.load_weights(model.whole_weights())
     with pytest.raises(WeightSyncError, match=lost.replace(".", r"\.").replace("k_proj", "(k_proj|qkv_proj)")
                        if backend == "hf" else "(k_proj|norm)"):
-        sampler.load_weights((n, t) for n, t in model.hf_state() if n != lost)
+        sampler.load_weights((n, t) for n, t in model.whole_weights() if n != lost)
 
 
 # One engine per process: eval.py --baseline and train.py's final evaluation ---------------------------
