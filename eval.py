@@ -25,9 +25,9 @@ are streamed into it (with vLLM it must: vLLM allows one engine per process). Ev
 OUT/completions.jsonl (and completions_baseline.jsonl), the figures to OUT/summary.json.
 
   # The CPU demo's checkpoint against the model it started from, on 128 held-out problems
-  # (train.py --preset cpu-demo runs this itself at its end, on the first 64): task arith,
-  # difficulty 1 and 256/48 prompt/completion tokens come from the checkpoint.
-  python eval.py --model runs/cpu-demo/checkpoints/step_000012/hf --baseline HuggingFaceTB/SmolLM2-135M-Instruct --limit 128
+  # (train.py --preset cpu-demo runs this at its end, on 64): task and lengths come from the checkpoint
+  python eval.py --model runs/cpu-demo/checkpoints/step_000012/hf --baseline HuggingFaceTB/SmolLM2-135M-Instruct \
+      --limit 128
   python eval.py --model runs/gdpo/checkpoints/step_000050/hf --task gsm8k --data ../shared/data/gsm8k/test.jsonl
   python eval.py --model Qwen/Qwen2.5-1.5B-Instruct --task gsm8k --n 8 --temperature 0.7   # pass@1..8
   python eval.py --model tiny-random --task arith --limit 8                                   # offline, seconds
@@ -297,7 +297,8 @@ def parse_args(argv=None):
     for name in ("max_new_tokens", "max_prompt_len", "length_limit", "arith_difficulty"):
         p.add_argument("--" + name.replace("_", "-"), type=int, help=f"default: {run} {RUN_SETTINGS[name]}")
     p.add_argument("--length-unit", choices=["tokens", "words"], help=f"default: {run} {RUN_SETTINGS['length_unit']}")
-    p.add_argument("--answer-format", choices=["answer", "boxed"], help=f"default: {run} {RUN_SETTINGS['answer_format']}")
+    p.add_argument("--answer-format", choices=["answer", "boxed"],
+                   help=f"default: {run} {RUN_SETTINGS['answer_format']}")
     p.add_argument("--limit", type=int, default=0, help="evaluate only the first N prompts (0: all)")
     p.add_argument("--batch-size", type=int, default=16, help="prompts per generate call")
     p.add_argument("--sampler", default="auto", choices=["auto", "hf", "vllm"])
@@ -310,8 +311,8 @@ def parse_args(argv=None):
     explicit = [k for k in RUN_SETTINGS if getattr(args, k) is not None]
     taken = fill_settings(args, run_config)
     if taken:
-        dist.print0(f"settings from the run of {source}: " + " ".join(f"{k}={getattr(args, k)}" for k in taken)
-              + ("; from the command line: " + " ".join(f"{k}={getattr(args, k)}" for k in explicit) if explicit else ""))
+        given = "; from the command line: " + " ".join(f"{k}={getattr(args, k)}" for k in explicit) if explicit else ""
+        dist.print0(f"settings from the run of {source}: " + " ".join(f"{k}={getattr(args, k)}" for k in taken) + given)
     if args.n < 1 or args.batch_size < 1 or args.max_new_tokens < 1 or args.temperature < 0 or args.limit < 0:
         p.error("--n, --batch-size and --max-new-tokens must be >= 1, --temperature and --limit >= 0")
     if args.n > 1 and args.temperature == 0:
@@ -326,8 +327,10 @@ def main(argv=None, sampler=None, tokenizer=None, source=None):
     weights, is used instead of building one: train.py's final evaluation passes its own, under its
     process group, so that every rank takes a slice of the prompts and no second vLLM engine is built."""
     args = parse_args(argv)
-    reward_options = {"length_limit": args.length_limit, "length_unit": args.length_unit, "answer_format": args.answer_format}
-    task = load_task(args.task, args.data, args.split, False, {"arith_difficulty": args.arith_difficulty}, reward_options)
+    reward_options = {"length_limit": args.length_limit, "length_unit": args.length_unit,
+                      "answer_format": args.answer_format}
+    task = load_task(args.task, args.data, args.split, False, {"arith_difficulty": args.arith_difficulty},
+                     reward_options)
     examples = task.examples[:args.limit] if args.limit else task.examples
     names = [r for r in args.rewards.split(",") if r] or task.rewards
     out_dir = args.output or os.path.join("runs", "eval", args.task)
@@ -363,7 +366,8 @@ def report(args, sampler, tokenizer, source, kind, examples, names, out_dir):
     else:
         summary = result[0]
         width = max(len(k) for k in summary)
-        print("\n".join(f"{k:<{width}}  {v:.4f}" if isinstance(v, float) else f"{k:<{width}}  {v}" for k, v in summary.items()))
+        print("\n".join(f"{k:<{width}}  {v:.4f}" if isinstance(v, float) else f"{k:<{width}}  {v}"
+                        for k, v in summary.items()))
     with open(os.path.join(out_dir, "summary.json"), "w") as f:
         json.dump(summary, f, indent=2)
     print(f"wrote {out_dir}/completions.jsonl and summary.json")

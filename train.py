@@ -46,18 +46,19 @@ from minigdpo.estimators import ESTIMATORS, REGISTRY
 from minigdpo.data import DataError
 from minigdpo.rollout import timed
 from minigdpo.update import fill_logprobs, optimizer, scheduler, step_metrics, update
-from minigdpo.vllm_sampler import SamplerUnavailable, make_sampler, resolve_kind
+from minigdpo.vllm_sampler import SamplerUnavailable, check_sampler, make_sampler, resolve_kind
 from rewards import PromptOrder, RewardScorer, load_task
 from rewards.reward_model import RewardModelError
 
 
 def run_training(argv=None):
     cfg = config.parse_args(argv, __doc__)  # every value checked: a bad one costs no model load
-    reward_options = {"length_limit": cfg.length_limit, "length_unit": cfg.length_unit, "answer_format": cfg.answer_format}
+    reward_options = {"length_limit": cfg.length_limit, "length_unit": cfg.length_unit,
+                      "answer_format": cfg.answer_format}
     task = load_task(cfg.task, cfg.data, "train", cfg.skip_bad_rows, {"arith_difficulty": cfg.arith_difficulty},
                      reward_options)
     names, conditions, weights, scorer = rewards_setup(cfg, task)
-    config.check_sampler(cfg, resolve_kind(cfg.sampler))  # a missing vLLM or GPU, or settings vLLM cannot honour
+    check_sampler(cfg, resolve_kind(cfg.sampler))  # a missing vLLM or GPU, or settings vLLM cannot honour
     path = models.resolve_model(cfg.model)  # built-in models are built before the process group exists
     models.check_context(path, cfg.max_prompt_len + cfg.max_new_tokens)  # still before any weights load
     adapters = lora.settings(cfg)  # None: full fine-tuning
@@ -77,10 +78,13 @@ def run_training(argv=None):
 
     # The trained policy, its frozen reference (with LoRA: the policy, adapters off), the sampler's copy.
     tokenizer = models.load_tokenizer(path)
-    dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}.get(cfg.dtype, torch.bfloat16 if device.type == "cuda" else torch.float32)
+    auto = torch.bfloat16 if device.type == "cuda" else torch.float32
+    dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}.get(cfg.dtype, auto)
     scorer.place_models(device, dtype, cfg.reward_model_batch_size, cfg.reward_model_placement, policy.build_classifier)
     model = policy.build(path, device, dtype, cfg.grad_checkpointing, lora=adapters)
-    ref = policy.build(path, device, dtype, frozen=True, offload=cfg.ref_offload) if cfg.beta > 0 and not adapters else None
+    ref = None  # with LoRA the reference is the policy with its adapters off
+    if cfg.beta > 0 and not adapters:
+        ref = policy.build(path, device, dtype, frozen=True, offload=cfg.ref_offload)
     lm_config = model.lm.config
     opt = optimizer(model, cfg.lr, cfg.weight_decay)  # the parameters that require grad: with LoRA, the adapters
     n_trainable, n_params = lora.trainable_count(model)  # global counts, also under FSDP
@@ -143,7 +147,8 @@ def run_training(argv=None):
             # 5. Micro-batches (minigdpo/microbatch.py); the reference's log-probs (and the old policy's).
             with timed(seconds, "logprob"):
                 groups = list(zip(batch.prompts, batch.completions, adv))
-                batches = microbatch.cut(groups, cfg, tokenizer.pad_token_id, device, cfg.padding_free and model.shares_prefix)
+                layout = ("packed" if cfg.padding_free else "padded") if model.shares_prefix else None
+                batches = microbatch.cut(groups, cfg, tokenizer.pad_token_id, device, layout)
                 if ref is not None:
                     fill_logprobs(ref, batches, "ref_logp", cfg, reshard=True)
                 elif adapters and cfg.beta > 0:
@@ -215,10 +220,11 @@ def throughput(batches, model, cfg, flops_per_token, attention_flops, seconds):
     token) and the positions computed, padding included, whose difference is throughput/padding_frac; TFLOP/s
     on the real tokens only, with attention's 12 x layers x hidden per causal (query, key) pair."""
     shared = model.shares_prefix
-    real, computed, pairs = dist.all_reduce(torch.tensor([[mb.real_tokens(shared), mb.model_tokens(shared), mb.pairs]
+    real, computed, pairs = dist.all_reduce(torch.tensor([[mb.real_tokens(shared), mb.model_tokens(), mb.pairs]
                                                           for mb in batches], dtype=torch.float64).sum(0)).tolist()
     passes, secs = cfg.num_iterations, max(seconds["update"], 1e-9)
-    return {"throughput/update_tokens_per_s": passes * real / secs, "throughput/padding_frac": 1 - real / max(computed, 1),
+    return {"throughput/update_tokens_per_s": passes * real / secs,
+            "throughput/padding_frac": 1 - real / max(computed, 1),
             "throughput/tokens_per_micro_batch": computed / max(1, len(batches) * dist.world_size()),
             "throughput/update_tflops_per_device": passes * (flops_per_token * real + attention_flops * pairs) / secs
             / 1e12 / dist.world_size(), "throughput/attention_flops_frac": attention_flops * pairs
@@ -287,7 +293,8 @@ class Logger:
     def log(self, step, metrics):
         if not self.main:
             return
-        row = {"step": step, **{k: v if not isinstance(v, float) or math.isfinite(v) else None for k, v in metrics.items()}}
+        finite = {k: v if not isinstance(v, float) or math.isfinite(v) else None for k, v in metrics.items()}
+        row = {"step": step, **finite}
         self.first = self.first or row
         self.recent.append(row)
         with open(self.metrics_path, "a") as f:

@@ -72,7 +72,7 @@ def work(n_seqs, group, prompt_len, lengths, seed=0):
 
 
 def batches_of(groups, cfg, device, packed):
-    out = cut(groups, cfg, 257, device, pack=packed)
+    out = cut(groups, cfg, 257, device, "packed" if packed else "padded")
     for mb in out:
         mb.ref_logp = mb.sampler_logp  # the KL term's arithmetic, without a reference model's pass
     return out

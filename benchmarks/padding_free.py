@@ -91,7 +91,7 @@ def child(path, work, padding_free, budget):
     model = policy.build(path, device, torch.float32)
     ref = policy.build(path, device, torch.float32, frozen=True)
     groups = [(p, [Completion(ids, lps) for ids, lps in cs], torch.tensor(a)) for p, cs, a in work["groups"]]
-    batches = cut(groups, cfg, work["pad_id"], device, pack=padding_free and model.shares_prefix)
+    batches = cut(groups, cfg, work["pad_id"], device, "packed" if padding_free else "padded")
     t0 = time.perf_counter()
     fill_logprobs(ref, batches, "ref_logp", cfg, reshard=True)
     ref_s = time.perf_counter() - t0

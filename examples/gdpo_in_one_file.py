@@ -113,8 +113,9 @@ def token_logprobs(model, prompt_ids, prompt_mask, completion_ids, temperature):
     ids = torch.cat([prompt_ids, completion_ids], dim=1)                          # (N, P + T)
     attention = torch.cat([prompt_mask, torch.ones_like(completion_ids)], dim=1)  # (N, P + T)
     positions = (attention.cumsum(-1) - 1).clamp(min=0)                           # (N, P + T)
-    logits = model(input_ids=ids, attention_mask=attention, position_ids=positions).logits  # (N, P + T, V)
-    logits = logits[:, prompt_ids.shape[1] - 1:-1].float() / temperature          # (N, T, V): each predicts the next
+    T = completion_ids.shape[1]  # the logits of the last T + 1 positions only: the prompt's are never needed
+    logits = model(input_ids=ids, attention_mask=attention, position_ids=positions, logits_to_keep=T + 1).logits
+    logits = logits[:, :-1].float() / temperature                                 # (N, T, V): each predicts the next
     return torch.log_softmax(logits, dim=-1).gather(-1, completion_ids[..., None]).squeeze(-1)  # (N, T)
 
 

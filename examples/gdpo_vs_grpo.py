@@ -272,7 +272,15 @@ def main():
                 for arm in args.arms.split(","):
                     if setting in ARMS[arm][1]:
                         do_run(setting, arm, seed, args.keep_checkpoints)
-    runs = [r for s in SETTINGS for a in ARMS for seed in range(100) if (r := read_run(s, a, seed))]
+    # Every run's entry: those of earlier sittings from the results file (their directories may be gone), each
+    # replaced by its directory's where that holds a finished run.
+    done = {}
+    if os.path.exists(RESULTS):
+        with open(RESULTS) as f:
+            done = {(r["setting"], r.get("arm", r["estimator"]), r["seed"]): r | {"arm": r.get("arm", r["estimator"])}
+                    for r in json.load(f)["runs"]}
+    done |= {(s, a, seed): r for s in SETTINGS for a in ARMS for seed in range(100) if (r := read_run(s, a, seed))}
+    runs = list(done.values())
     summary = summarise(runs)
     os.makedirs(os.path.dirname(RESULTS), exist_ok=True)
     with open(RESULTS, "w") as f:

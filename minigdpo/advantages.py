@@ -42,7 +42,7 @@ import torch
 
 STD_EPS = 1e-4         # added to every std, as in the released TRL code
 VERL_STD_EPS = 1e-6    # added to verl's group std: std + 1e-6 (verl/trainer/ppo/core_algos.py)
-WHITEN_VAR_EPS = 1e-8  # added to the variance in verl's masked_whiten: rsqrt(var + 1e-8) (verl/utils/torch_functional.py)
+WHITEN_VAR_EPS = 1e-8  # added to the variance in verl's masked_whiten: rsqrt(var + 1e-8) (torch_functional.py)
 NEMO_STD_EPS = 1e-6    # added to NeMo-RL's per-reward std (nemo_rl/algorithms/advantage_estimator.py)
 
 

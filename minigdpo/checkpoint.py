@@ -111,7 +111,8 @@ def remove_partial(output_dir):
     if os.path.isdir(base):
         for name in sorted(os.listdir(base)):
             path = os.path.join(base, name)
-            if name.endswith(".partial") or (_STEP_DIR.match(name) and not os.path.exists(os.path.join(path, "COMPLETE"))):
+            unfinished = _STEP_DIR.match(name) and not os.path.exists(os.path.join(path, "COMPLETE"))
+            if name.endswith(".partial") or unfinished:
                 shutil.rmtree(path, ignore_errors=True)
                 removed.append(path)
     return removed
@@ -121,7 +122,8 @@ def missing_files(path, world_size):
     """The files checkpoint `path` needs and lacks (or holds too short), relative to it: every file DCP's
     metadata lists under state/, and each saving rank's RNG state."""
     try:
-        need = {os.path.join("state", name): size for name, size in dist.sharded_files(os.path.join(path, "state")).items()}
+        shards = dist.sharded_files(os.path.join(path, "state"))
+        need = {os.path.join("state", name): size for name, size in shards.items()}
     except OSError:
         return [os.path.join("state", ".metadata")]
     need |= {os.path.join("rng", f"rank{r}.pt"): 1 for r in range(world_size)}
@@ -147,7 +149,8 @@ def resume_point(output_dir):
         decision = (last, removed, lacking)
     last, removed, lacking = dist.broadcast_object(decision)
     if lacking:
-        raise ConfigError(f"--resume: {last} is not whole: {', '.join(lacking[:3])}{' ...' if len(lacking) > 3 else ''} "
+        more = " ..." if len(lacking) > 3 else ""
+        raise ConfigError(f"--resume: {last} is not whole: {', '.join(lacking[:3])}{more} "
                           "missing (was --output-dir one directory every node shares?)")
     return last, removed
 

@@ -36,7 +36,8 @@ class Config:
     data: str = ""
     """Training data: a local .jsonl/.json/.parquet file or a hub dataset name. Empty: the task's default."""
     rewards: list = field(default_factory=list)
-    """Rewards, comma-separated: registry names, module:function, or reward models model:PATH[@LABEL]. Empty: the task's."""
+    """Rewards, comma-separated: built-in names, module:function, or reward models model:PATH[@LABEL].
+    Empty: the task's."""
     reward_weights: list = field(default_factory=list)
     """One weight per reward, comma-separated (paper Eq. 7). Empty: all 1."""
     condition: list = field(default_factory=list)
@@ -89,7 +90,7 @@ class Config:
     """Upper clip of the ratio: 1 + clip_high (DAPO's clip-higher uses 0.28)."""
     loss_agg: str = "micro_batch_token_mean"
     """Loss aggregation (TRL's loss_type names work too): micro_batch_token_mean (bnpo, the paper's released
-    default), token_mean (dapo), seq_mean_token_mean (grpo) or seq_mean_token_sum_norm (dr_grpo). See minigdpo/update.py (policy_loss)."""
+    default), token_mean (dapo), seq_mean_token_mean (grpo) or seq_mean_token_sum_norm (dr_grpo) (update.py)."""
     epochs: float = 1.0
     """Passes over the prompt set, used when max_steps is 0."""
     max_steps: int = 0
@@ -190,13 +191,16 @@ PRESETS = {
     # The paper's released GSM8K recipe: 512 completions (32 prompts x G=16) a step, on 8 GPUs x 16 x 4 accumulations.
     "paper-gsm8k": dict(),
     # One 80 GB A100: G=8, 256 completions per step, micro-batches that fit with vLLM colocated.
-    "a100": dict(group_size=8, batch_size=256, micro_batch_size=8, grad_checkpointing=True, vllm_gpu_memory_utilization=0.35),
-    # Qwen2.5-7B on one 80 GB A100: frozen bf16 base, rank-32 adapters, no reference copy; lr 5e-5 untuned (docs/gpus.md).
+    "a100": dict(group_size=8, batch_size=256, micro_batch_size=8, grad_checkpointing=True,
+                 vllm_gpu_memory_utilization=0.35),
+    # Qwen2.5-7B on one 80 GB A100: frozen bf16 base, rank-32 adapters, no reference copy; lr 5e-5 untuned.
     "a100-lora": dict(model="Qwen/Qwen2.5-7B-Instruct", group_size=8, batch_size=256, micro_batch_size=8,
-                      grad_checkpointing=True, lora_rank=32, lora_alpha=64.0, lr=5e-5, vllm_gpu_memory_utilization=0.55),
+                      grad_checkpointing=True, lora_rank=32, lora_alpha=64.0, lr=5e-5,
+                      vllm_gpu_memory_utilization=0.55),
     # Offline, 2 CPU cores, about 7 minutes: SmolLM2-135M learns arithmetic, then meets its base model on 64 problems.
     "cpu-demo": dict(model="HuggingFaceTB/SmolLM2-135M-Instruct", task="arith", group_size=8, batch_size=32,
-                     lr=2e-5, warmup_ratio=0.0, lr_schedule="constant", max_prompt_len=256, max_new_tokens=48, max_steps=12,
+                     lr=2e-5, warmup_ratio=0.0, lr_schedule="constant", max_prompt_len=256, max_new_tokens=48,
+                     max_steps=12,
                      temperature=0.7, arith_difficulty=1, save_every=0, samples_every=4, output_dir="runs/cpu-demo",
                      sampler="hf", final_eval=64),
     # A tiny random model for tests and smoke runs.
@@ -278,7 +282,8 @@ def build_parser(description=""):
         else:
             group.add_argument(flag, type=f.type, default=None, metavar=f.type.__name__.upper(), help=help_text)
     # The one alias: switching the cpu-demo's final evaluation off reads better as a flag than as a count of 0.
-    groups["Output"].add_argument("--no-final-eval", dest="final_eval", action="store_const", const=0, help="the same as --final-eval 0")
+    groups["Output"].add_argument("--no-final-eval", dest="final_eval", action="store_const", const=0,
+                                  help="the same as --final-eval 0")
     return parser
 
 
@@ -297,20 +302,26 @@ def _check(ok, message):
         raise ConfigError(message)
 
 
+def flag(name):
+    return name.replace("_", "-")
+
+
 def validate(cfg):
     """Raise ConfigError on the first bad value. Needs no model, data or GPU."""
     for name, choices in CHOICES.items():
-        _check(getattr(cfg, name) in choices, f"--{name.replace('_', '-')} {getattr(cfg, name)!r} is not one of {', '.join(choices)}")
+        value = getattr(cfg, name)
+        _check(value in choices, f"--{flag(name)} {value!r} is not one of {', '.join(choices)}")
     positive = ["group_size", "batch_size", "micro_batch_size", "num_iterations", "max_sample_rounds", "max_prompt_len",
                 "max_new_tokens", "length_limit", "logprob_chunk", "keep_checkpoints", "reward_model_batch_size"]
     for name in positive:
-        _check(getattr(cfg, name) >= 1, f"--{name.replace('_', '-')} must be >= 1, got {getattr(cfg, name)}")
-    for name in ["max_steps", "micro_batch_tokens", "save_every", "samples_every", "weight_decay", "max_grad_norm", "beta", "importance_sampling_cap", "final_eval",
-                 "logp_gap_warn", "vllm_kv_cache_gib"]:
+        _check(getattr(cfg, name) >= 1, f"--{flag(name)} must be >= 1, got {getattr(cfg, name)}")
+    for name in ["max_steps", "micro_batch_tokens", "save_every", "samples_every", "weight_decay", "max_grad_norm",
+                 "beta", "importance_sampling_cap", "final_eval", "logp_gap_warn", "vllm_kv_cache_gib"]:
         value = getattr(cfg, name)
-        _check(math.isfinite(value) and value >= 0, f"--{name.replace('_', '-')} must be >= 0, got {value}")
-    _check(cfg.group_size >= 2, f"--group-size must be at least 2 (a group needs two samples to compare), got {cfg.group_size}")
-    _check(cfg.batch_size % cfg.group_size == 0, f"--batch-size {cfg.batch_size} must be a multiple of --group-size {cfg.group_size}")
+        _check(math.isfinite(value) and value >= 0, f"--{flag(name)} must be >= 0, got {value}")
+    _check(cfg.group_size >= 2, f"--group-size must be at least 2 (a group compares two samples), got {cfg.group_size}")
+    _check(cfg.batch_size % cfg.group_size == 0,
+           f"--batch-size {cfg.batch_size} must be a multiple of --group-size {cfg.group_size}")
     _check(math.isfinite(cfg.lr) and 0 < cfg.lr < 1, f"--lr must be in (0, 1), got {cfg.lr}")
     _check(0 <= cfg.warmup_ratio < 1, f"--warmup-ratio must be in [0, 1), got {cfg.warmup_ratio}")
     _check(0 <= cfg.clip_low < 1, f"--clip-low must be in [0, 1), got {cfg.clip_low}")
@@ -322,31 +333,20 @@ def validate(cfg):
            f"--vllm-gpu-memory-utilization must be in (0, 1), got {cfg.vllm_gpu_memory_utilization}")
     _check(cfg.reward_timeout > 0, f"--reward-timeout must be > 0, got {cfg.reward_timeout}")
     _check(1 <= cfg.arith_difficulty <= 6, f"--arith-difficulty must be in 1..6, got {cfg.arith_difficulty}")
-    _check(cfg.importance_sampling_cap == 0 or cfg.importance_sampling_cap >= 1, f"--importance-sampling-cap must be 0 (off) or >= 1, got {cfg.importance_sampling_cap}")
+    _check(cfg.importance_sampling_cap == 0 or cfg.importance_sampling_cap >= 1,
+           f"--importance-sampling-cap must be 0 (off) or >= 1, got {cfg.importance_sampling_cap}")
     _check(bool(cfg.model.strip()), "--model must not be empty")
     _check(bool(cfg.output_dir.strip()), "--output-dir must not be empty")
     _check(cfg.seed >= 0, f"--seed must be >= 0, got {cfg.seed}")
     if cfg.wandb:
         import importlib.util
 
-        _check(importlib.util.find_spec("wandb") is not None, "--wandb needs the wandb package: pip install 'minigdpo[wandb]'")
+        _check(importlib.util.find_spec("wandb") is not None, "--wandb needs wandb: pip install 'minigdpo[wandb]'")
     validate_lora(cfg)
     for name in ("reward_weights", "saw_shift"):
-        _check(all(map(math.isfinite, getattr(cfg, name))), f"--{name.replace('_', '-')} must be finite, got {getattr(cfg, name)}")
+        _check(all(map(math.isfinite, getattr(cfg, name))), f"--{flag(name)} must be finite, got {getattr(cfg, name)}")
     _check(0 <= cfg.gd2po_tau <= 1, f"--gd2po-tau must be in [0, 1], got {cfg.gd2po_tau}")
     return cfg
-
-
-def check_sampler(cfg, kind):
-    """The sampling settings vLLM cannot honour exactly, once --sampler is resolved to `kind` (hf or vllm)."""
-    if kind != "vllm":
-        return
-    # vLLM's processed log-probs are renormalised over the nucleus; the trainer's cover the whole vocabulary.
-    _check(cfg.top_p == 1, f"--top-p {cfg.top_p} needs --sampler hf (vLLM's log-probs are renormalised after top-p)")
-    # vLLM raises a temperature below 0.01 to 0.01 and refuses one above 2 (vllm/sampling_params.py:560-568,
-    # 662-673): the trainer would divide its logits by another temperature than the sampler's.
-    _check(0.01 <= cfg.temperature <= 2, f"--temperature {cfg.temperature} needs --sampler hf: vLLM samples "
-                                         "only in [0.01, 2] (it raises lower temperatures to 0.01)")
 
 
 def validate_lora(cfg):
@@ -357,11 +357,11 @@ def validate_lora(cfg):
         defaults = Config()
         given = [f"--{n.replace('_', '-')}" for n in ("lora_alpha", "lora_dropout", "lora_targets", "merge_on_save")
                  if getattr(cfg, n) != getattr(defaults, n)]
-        _check(not given, f"{', '.join(given)} {'needs' if len(given) == 1 else 'need'} --lora-rank R >= 1 (0 turns LoRA off)")
+        _check(not given, f"{', '.join(given)} {'needs' if len(given) == 1 else 'need'} --lora-rank R >= 1 (0: off)")
         return
     import importlib.util
 
-    _check(importlib.util.find_spec("peft") is not None, "--lora-rank needs the peft package: pip install 'minigdpo[lora]'")
+    _check(importlib.util.find_spec("peft") is not None, "--lora-rank needs peft: pip install 'minigdpo[lora]'")
     _check(math.isfinite(cfg.lora_alpha) and cfg.lora_alpha > 0, f"--lora-alpha must be > 0, got {cfg.lora_alpha}")
     _check(0 <= cfg.lora_dropout < 1, f"--lora-dropout must be in [0, 1), got {cfg.lora_dropout}")
     _check(bool(cfg.lora_targets), "--lora-targets must name at least one layer")

@@ -19,7 +19,8 @@ import torch.distributed as tdist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard, \
+    register_fsdp_forward_method
 from torch.distributed.tensor import DTensor
 
 _device = None   # the training device, set by init(): every collective's tensors go there

@@ -81,4 +81,5 @@ def informative_groups(rewards, weights, estimator, tol=1e-6, **options):
 
 def informative_groups_naive(rewards, weights, estimator, tol=1e-6, **options):
     """informative_groups' twin on nested lists: does some sample's group-level advantage exceed tol in size?"""
-    return [any(abs(a) > tol for a in group) for group in REGISTRY[estimator].naive_group_step(rewards, weights, **options)]
+    groups = REGISTRY[estimator].naive_group_step(rewards, weights, **options)
+    return [any(abs(a) > tol for a in group) for group in groups]

@@ -5,13 +5,16 @@ K valid completion tokens, H hidden size, V vocabulary.
 
 The textbook version (`naive_logprobs`) runs each full sequence (prompt + completion) through the
 model and takes log_softmax(logits / temperature).gather(target). The fast one (`LogProbModel`)
-computes exactly the same numbers, and is the test oracle's subject, with two savings:
+computes exactly the same numbers, and is the test oracle's subject, with three savings:
 
 - the head runs on chunks of valid tokens (`ChunkedLogProbs`): a (n, T, V) float32 logits tensor
   never exists, which matters with a 150k vocabulary;
-- the shared-prefix pass (`hidden_states`): a group's G completions share their prompt, and a prompt
-  token never attends to a completion, so each distinct prompt runs through each decoder layer
-  once and its keys and values serve all G completions. The prompt costs 1/G.
+- the shared prefix: a group's G completions share their prompt, and a prompt token never attends to a
+  completion, so each distinct prompt runs through each decoder layer once and its keys and values serve
+  all G completions. The prompt costs 1/G;
+- no padding (`packed_hidden_states`): a micro-batch's prompts and completions are one row of tokens for
+  the projections, norms and MLP, and only attention sees them in padded rows (--padding-free false keeps
+  the padding in the row, which computes the same numbers at its cost).
 
 `LogProbModel` wraps the Hugging Face model and is the FSDP2 root (dist.shard), so the embedding
 and the head are gathered by the root's own hooks; `whole_weights` streams its weights out, whole, under
@@ -131,76 +134,6 @@ def shares_prefix(lm):
             and getattr(config, "_attn_implementation", None) in PREFIX_ATTENTION)
 
 
-def layer_pair(layer, prompt, tail, index, prompt_kwargs, tail_kwargs):
-    """One decoder layer over the prompt rows (b, P, H), then over the completion rows (n, T, H), in ONE call.
-
-    Under FSDP2 each call of a layer gathers its parameters once in the forward and once in the backward
-    (dist.shard registers layer_pair as a forward method); two passes over the model, prompts then
-    completions, would gather each layer twice each way. The prompt's keys and values land in a cache of
-    this call's own, are copied to the n completion rows (index (n,): each row's prompt), and the
-    completions attend to them. A cache of its own makes the call a pure function, which activation
-    checkpointing can run again in the backward. layer.forward, not layer(): the module call would run
-    FSDP2's hooks (and Hugging Face's checkpointing) again inside this one.
-    """
-    from transformers import DynamicCache
-
-    cache = DynamicCache()
-    prompt = layer.forward(prompt, past_key_values=cache, use_cache=True, **prompt_kwargs)   # (b, P, H)
-    cache.layers[layer.self_attn.layer_idx].batch_select_indices(index)  # (b, ...) -> (n, ...), differentiably
-    tail = layer.forward(tail, past_key_values=cache, use_cache=True, **tail_kwargs)         # (n, T, H)
-    return prompt, tail
-
-
-def masks(prompt_mask, index, T, dtype, eager):
-    """The attention masks of the two halves: prompts (b, 1, P, P) and completions (n, 1, T, P + T).
-
-    Prompts are left-padded: a real token attends to the real tokens up to itself. A padding query
-    attends to itself alone, so that no row is fully masked (a NaN under softmax); its output is never
-    read. Completions attend to their prompt's real tokens and causally to themselves. sdpa takes
-    True = attend; eager adds 0 or the dtype's minimum to the scores.
-    """
-    P, device = prompt_mask.shape[1], prompt_mask.device
-    keep = prompt_mask.bool()                                              # (b, P)
-    causal_p = torch.ones(P, P, dtype=torch.bool, device=device).tril()   # (P, P)
-    eye = torch.eye(P, dtype=torch.bool, device=device)                    # (P, P)
-    prompt = (causal_p & keep[:, None, :]) | eye                           # (b, P, P)
-    causal_t = torch.ones(T, T, dtype=torch.bool, device=device).tril()   # (T, T)
-    tail = torch.cat([keep[index, None, :].expand(-1, T, -1),              # (n, T, P)
-                      causal_t.expand(len(index), -1, -1)], dim=2)         # (n, T, P + T)
-    out = prompt[:, None], tail[:, None]                                   # (., 1, q, kv)
-    if eager:
-        low = torch.finfo(dtype).min
-        out = tuple(torch.zeros(m.shape, dtype=dtype, device=device).masked_fill_(~m, low) for m in out)
-    return out
-
-
-def hidden_states(lm, prompt_ids, prompt_mask, index, completion_ids):
-    """Final hidden states before each completion token, (n, T, H): the last prompt position's for the
-    first token, then the completion's own. prompt_ids, prompt_mask: (b, P) left-padded;
-    index: (n,) each completion's prompt; completion_ids: (n, T). The layer loop of the model's own
-    forward (embed, rotary embeddings, decoder layers with a causal mask, final norm), with each layer
-    run by layer_pair: under activation checkpointing (--grad-checkpointing), checkpointed as a whole."""
-    base = lm.base_model
-    T = completion_ids.shape[1]
-    prompt = base.embed_tokens(prompt_ids)                                 # (b, P, H)
-    tail = base.embed_tokens(completion_ids)                               # (n, T, H)
-    prompt_pos = (prompt_mask.cumsum(-1) - 1).clamp(min=0)                 # (b, P)
-    tail_pos = prompt_mask.sum(-1)[index, None] + torch.arange(T, device=prompt_ids.device)  # (n, T)
-    prompt_attn, tail_attn = masks(prompt_mask, index, T, prompt.dtype, lm.config._attn_implementation == "eager")
-    prompt_kwargs = dict(attention_mask=prompt_attn, position_ids=prompt_pos,
-                         position_embeddings=base.rotary_emb(prompt, prompt_pos))
-    tail_kwargs = dict(attention_mask=tail_attn, position_ids=tail_pos,
-                       position_embeddings=base.rotary_emb(tail, tail_pos))
-    recompute = lm.is_gradient_checkpointing and lm.training and torch.is_grad_enabled()
-    for layer in base.layers:
-        if recompute:
-            prompt, tail = checkpoint(layer.layer_pair, prompt, tail, index, prompt_kwargs, tail_kwargs, use_reentrant=False)
-        else:
-            prompt, tail = layer.layer_pair(prompt, tail, index, prompt_kwargs, tail_kwargs)
-    prompt, tail = base.norm(prompt), base.norm(tail)
-    return torch.cat([prompt[index, -1:], tail[:, :-1]], dim=1)          # (n, T, H)
-
-
 # The packed pass -------------------------------------------------------------------------------
 
 PACKED = "minigdpo_packed"  # the attention implementation the packed pass swaps in, layer by layer
@@ -242,7 +175,9 @@ AttentionInterface.register(PACKED, packed_attention)
 
 def layer_packed(layer, hidden, packed, position_embeddings):
     """One decoder layer over a packed row (1, L, H), its attention through packed_attention. A forward method
-    of its own, as layer_pair is: FSDP2 gathers the layer once for it, and checkpointing can run it again."""
+    of its own (dist.shard registers it): FSDP2 gathers the layer once per call, and checkpointing can run it
+    again. layer.forward, not layer(): the module call would run FSDP2's hooks (and transformers' checkpointing)
+    again inside this one."""
     config = layer.self_attn.config
     kept, config._attn_implementation = config._attn_implementation, PACKED
     try:
@@ -289,20 +224,14 @@ class LogProbModel(nn.Module):
         self.lora = False  # policy.build sets it when peft's adapters are in lm: whole_weights then merges them
         if self.shares_prefix:
             for layer in decoder_layers(lm):
-                layer.layer_pair = layer_pair.__get__(layer)
                 layer.layer_packed = layer_packed.__get__(layer)
 
     def forward(self, mb, temperature=1.0, chunk=1024, entropy=False):
         """mb: a MicroBatch (minigdpo/microbatch.py). Returns (N, T) log-probs, and entropies with entropy=True."""
         if self.shares_prefix and mb.packed is not None:
             hidden = packed_hidden_states(self.lm, mb.packed)                   # (K, H)
-        else:
-            if self.shares_prefix:
-                index = torch.repeat_interleave(torch.arange(len(mb.repeats), device=mb.repeats.device), mb.repeats,
-                                                output_size=mb.completion_ids.shape[0])  # (N,) no host sync
-                hidden = hidden_states(self.lm, mb.prompt_ids, mb.prompt_mask, index, mb.completion_ids)  # (N, T, H)
-            else:  # one full sequence per completion
-                hidden = self.full_sequences(mb)                                # (N, T, H)
+        else:  # one full sequence per completion
+            hidden = self.full_sequences(mb)                                    # (N, T, H)
             hidden = hidden.reshape(-1, hidden.shape[-1])[mb.out_index]         # (K, H)
         weight = self.lm.get_output_embeddings().weight                         # (V, H)
         lp, ent = chunked_logprobs(hidden, weight, mb.targets, temperature, chunk, entropy)  # (K,)

@@ -98,8 +98,9 @@ def attach(lm, lora, read):
     """
     from peft import LoraConfig, inject_adapter_in_model
 
-    config = LoraConfig(r=lora.rank, lora_alpha=lora.alpha, lora_dropout=lora.dropout, target_modules=list(lora.targets),
-                        bias="none", task_type="CAUSAL_LM", base_model_name_or_path=lm.config.name_or_path)
+    config = LoraConfig(r=lora.rank, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
+                        target_modules=list(lora.targets), bias="none", task_type="CAUSAL_LM",
+                        base_model_name_or_path=lm.config.name_or_path)
     inject_adapter_in_model(config, lm, adapter_name=ADAPTER, low_cpu_mem_usage=read is not None)  # freezes the rest
     initial = initial_adapters(lm, lora.seed)  # in place, on the host
     if read is None:  # a loaded model: its adapters are ready
@@ -186,7 +187,8 @@ def merged_state(lm, dtype, skip, main_only=False):
             yield f"{prefix}.weight", merged.to(dtype or W.dtype)
         else:  # a bias of an adapted layer, or any other tensor: its name without the ".base_layer"
             t = t.detach()
-            yield name.replace(".base_layer.", "."), dist.full_tensor(t.to(dtype) if dtype is not None else t, main_only)
+            t = t.to(dtype) if dtype is not None else t
+            yield name.replace(".base_layer.", "."), dist.full_tensor(t, main_only)
 
 
 def adapter_state(lm):

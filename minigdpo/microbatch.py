@@ -60,13 +60,12 @@ class MicroBatch:
     ref_logp: Optional[torch.Tensor] = None  # (N, T) step 5
     old_logp: Optional[torch.Tensor] = None  # (N, T) step 5, with num_iterations > 1
 
-    def model_tokens(self, shared=True):
-        """Tokens a pass over this micro-batch computes: each prompt once (shared) or once per completion, and
-        every column of the completions' rows; packed, no padding at all."""
-        prompts = self.prompt_mask.shape[1] * (len(self.repeats) if shared else int(self.repeats.sum()))
+    def model_tokens(self):
+        """Tokens a pass over this micro-batch computes, padding included: its row's length, or without one (a model
+        that runs full sequences) each completion's row with its prompt."""
         if self.packed is not None:
             return self.packed.ids.shape[1]
-        return prompts + self.completion_ids.numel()
+        return self.prompt_mask.shape[1] * int(self.repeats.sum()) + self.completion_ids.numel()
 
     def real_tokens(self, shared=True):
         """The tokens a pass needs: each prompt's own (once, or once per completion) and every completion's."""
@@ -74,7 +73,7 @@ class MicroBatch:
         return int((prompt.sum() if shared else (prompt * self.repeats).sum()).item()) + self.targets.numel()
 
 
-def build(groups, pad_id, device, pack=False):
+def build(groups, pad_id, device, layout=None):
     """One micro-batch from [(prompt ids, [Completion], adv (n,))]: each entry a prompt and some of its group.
     No entries: an empty micro-batch, one padding token through the model that the loss never counts."""
     counted = bool(groups)
@@ -98,8 +97,9 @@ def build(groups, pad_id, device, pack=False):
                     adv.to(device), sampler_logp.to(device), torch.tensor(out_index, device=device),
                     completion_ids.reshape(-1)[out_index].to(device), int(mask.sum()) if counted else 0,
                     N if counted else 0, attention_pairs([len(p) for p in prompts], lengths, repeats.tolist()))
-    if pack:
-        mb.packed = packed_layout(prompts, comps, [len(cs) for _, cs, _ in groups], prompt_ids.shape[1], T, device)
+    if layout:  # the one row the pass reads: "packed" (no padding) or "padded"
+        mb.packed = packed_layout(prompts, comps, [len(cs) for _, cs, _ in groups], prompt_ids.shape[1], T, device,
+                                  pad_id if layout == "padded" else None)
     return mb
 
 
@@ -110,44 +110,65 @@ def attention_pairs(prompt_lengths, completion_lengths, repeats):
             + sum(c * prompt_lengths[i] + c * (c + 1) // 2 for c, i in zip(completion_lengths, owner)))
 
 
-def packed_layout(prompts, comps, repeats, P, T, device):
-    """The Packed layout of prompts (b lists of ids, left-padded to P in attention's rows) and comps (N Completions,
-    repeats[i] of them per prompt, right-padded to T)."""
-    from minigdpo.logprobs import masks
+def masks(prompt_mask, owner, T):
+    """The attention masks, True = attend: prompts (b, 1, P, P) and completions (N, 1, T, P + T).
 
+    Prompts are left-padded: a real token attends to the real tokens up to itself. A padding query attends to
+    itself alone, so that no row is fully masked (a NaN under softmax); its output is never read. Completions
+    attend to their prompt's real tokens (owner (N,): each one's prompt) and causally to themselves."""
+    P, device = prompt_mask.shape[1], prompt_mask.device
+    keep = prompt_mask.bool()                                              # (b, P)
+    causal_p = torch.ones(P, P, dtype=torch.bool, device=device).tril()   # (P, P)
+    prompt = (causal_p & keep[:, None, :]) | torch.eye(P, dtype=torch.bool, device=device)  # (b, P, P)
+    causal_t = torch.ones(T, T, dtype=torch.bool, device=device).tril()   # (T, T)
+    tail = torch.cat([keep[owner, None, :].expand(-1, T, -1),              # (N, T, P)
+                      causal_t.expand(len(owner), -1, -1)], dim=2)         # (N, T, P + T)
+    return prompt[:, None], tail[:, None]
+
+
+def packed_layout(prompts, comps, repeats, P, T, device, pad_id=None):
+    """The Packed layout of prompts (b lists of ids, left-padded to P in attention's rows) and comps (N Completions,
+    repeats[i] of them per prompt, right-padded to T). With pad_id the row holds the padding too, every prompt P
+    tokens and every completion T: the padded pass, which computes the same numbers at the padding's cost."""
     owner = [i for i, n in enumerate(repeats) for _ in range(n)]
-    ids = [t for p in prompts for t in p] + [t for c in comps for t in c.token_ids]
-    positions = [k for p in prompts for k in range(len(p))]
-    positions += [len(prompts[i]) + t for c, i in zip(comps, owner) for t in range(len(c.token_ids))]
-    starts = [sum(len(p) for p in prompts[:i]) for i in range(len(prompts))]
-    prompt_dest = [i * P + P - len(p) + k for i, p in enumerate(prompts) for k in range(len(p))]
-    tail_dest = [j * T + t for j, c in enumerate(comps) for t in range(len(c.token_ids))]
-    before, at = [], len(prompt_dest)  # the first token is predicted from its prompt's last, the rest from the one before
-    for c, i in zip(comps, owner):
-        before += [starts[i] + len(prompts[i]) - 1] + list(range(at, at + len(c.token_ids) - 1))
-        at += len(c.token_ids)
+    rows_p = [[pad_id] * (P - len(p)) + p if pad_id is not None else p for p in prompts]
+    rows_t = [c.token_ids + [pad_id] * (T - len(c.token_ids)) if pad_id is not None else c.token_ids for c in comps]
+    ids = [t for r in rows_p + rows_t for t in r]
+    lead = [len(r) - len(p) for r, p in zip(rows_p, prompts)]          # each prompt row's leading padding
+    positions = [max(0, k - n) for r, n in zip(rows_p, lead) for k in range(len(r))]
+    positions += [len(prompts[i]) + t for r, i in zip(rows_t, owner) for t in range(len(r))]
+    starts_p = [sum(len(r) for r in rows_p[:i]) for i in range(len(rows_p))]
+    prompt_tokens = sum(len(r) for r in rows_p)
+    prompt_dest = [i * P + P - len(r) + k for i, r in enumerate(rows_p) for k in range(len(r))]
+    tail_dest = [j * T + t for j, r in enumerate(rows_t) for t in range(len(r))]
+    before, at = [], prompt_tokens  # a first token is predicted from its prompt's last, the others from the one before
+    for r, c, i in zip(rows_t, comps, owner):
+        before += [starts_p[i] + len(rows_p[i]) - 1] + list(range(at, at + len(c.token_ids) - 1))
+        at += len(r)
     as_t = lambda x: torch.tensor(x, dtype=torch.long, device=device)  # noqa: E731
-    prompt_mask = torch.zeros(len(prompts) * P, dtype=torch.long, device=device)
-    prompt_mask[as_t(prompt_dest)] = 1
-    prompt_attn, tail_attn = masks(prompt_mask.view(len(prompts), P), as_t(owner), T, torch.bool, eager=False)
-    return Packed(as_t(ids)[None], as_t(positions)[None], len(prompt_dest), as_t(prompt_dest), as_t(tail_dest),
+    prompt_mask = torch.tensor([[0] * (P - len(p)) + [1] * len(p) for p in prompts], device=device)  # (b, P)
+    prompt_attn, tail_attn = masks(prompt_mask, as_t(owner), T)
+    return Packed(as_t(ids)[None], as_t(positions)[None], prompt_tokens, as_t(prompt_dest), as_t(tail_dest),
                   as_t(owner), prompt_attn, tail_attn, as_t(before))
 
 
 # Cutting a step's groups ---------------------------------------------------------------------------
 
 
-def cut(groups, cfg, pad_id, device, pack):
+def cut(groups, cfg, pad_id, device, layout):
     """This rank's micro-batches, built, from its groups [(prompt, completions, adv (G,))]: by tokens when
-    cfg.micro_batch_tokens is set (every rank must call it: the groups move between ranks), else by count."""
-    parts = by_tokens(groups, cfg.micro_batch_tokens) if cfg.micro_batch_tokens else by_count(groups, cfg.micro_batch_size)
-    return [build(part, pad_id, device, pack) for part in parts]
+    cfg.micro_batch_tokens is set (every rank must call it: the groups move between ranks), else by count.
+    layout: "packed", "padded", or None for a model whose forward the packed pass does not reproduce."""
+    budget, size = cfg.micro_batch_tokens, cfg.micro_batch_size
+    parts = by_tokens(groups, budget) if budget else by_count(groups, size)
+    return [build(part, pad_id, device, layout) for part in parts]
 
 
 def by_count(groups, size):
     """Micro-batches of `size` sequences from groups [(prompt, completions, adv)], prompts in order of length;
     a group is split where `size` cuts it."""
-    seqs = [(g, j) for g in sorted(range(len(groups)), key=lambda g: len(groups[g][0])) for j in range(len(groups[g][1]))]
+    by_length = sorted(range(len(groups)), key=lambda g: len(groups[g][0]))
+    seqs = [(g, j) for g in by_length for j in range(len(groups[g][1]))]
     out = []
     for s in range(0, len(seqs), size):
         part = seqs[s:s + size]
@@ -171,7 +192,8 @@ def by_tokens(groups, budget):
         size = sizes[g[0]][g[1]]
         if size > budget and "long" not in _warned:
             _warned.add("long")
-            dist.print0(f"warning: a group of {size} tokens is longer than --micro-batch-tokens {budget}: it runs alone")
+            dist.print0(f"warning: a group of {size} tokens is longer than --micro-batch-tokens {budget}: "
+                        "it runs alone")
         at = next((k for k, r in enumerate(room) if r >= size), None)
         if at is None:
             bins.append([])
@@ -196,9 +218,9 @@ def by_tokens(groups, budget):
     return mine + [[] for _ in range(per_rank - len(mine))]  # build() makes an empty micro-batch of []
 
 
-def micro_batches(prompts, completions, advantages, size, pad_id, device, group, pack=False):
+def micro_batches(prompts, completions, advantages, size, pad_id, device, group, layout="padded"):
     """Flat sequences (prompt-major, `group` per prompt: prompts[i] is completion i's prompt) in built micro-batches
     of `size`, as train.py cuts a rank's groups by count (tests and benchmarks start from sequences)."""
     groups = [(prompts[g * group], completions[g * group:(g + 1) * group], advantages[g * group:(g + 1) * group])
               for g in range(len(prompts) // group)]
-    return [build(part, pad_id, device, pack) for part in by_count(groups, size)]
+    return [build(part, pad_id, device, layout) for part in by_count(groups, size)]

@@ -115,7 +115,8 @@ def check_context(path, needed):
     except (OSError, ValueError) as e:
         raise ConfigError(f"--model {path!r}: cannot read its config ({str(e).splitlines()[0]})") from None
     if limit is not None and needed > limit:
-        raise ConfigError(f"--max-prompt-len + --max-new-tokens = {needed} exceeds the model's context of {limit} tokens")
+        raise ConfigError(f"--max-prompt-len + --max-new-tokens = {needed} exceeds the model's context of {limit} "
+                          "tokens")
 
 
 def load_tokenizer(path):

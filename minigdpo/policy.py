@@ -71,7 +71,8 @@ def build(path, device, compute_dtype, grad_checkpointing=False, frozen=False, o
     else:
         model.train()
     param_dtype = compute_dtype if compute_dtype != torch.float32 and not frozen else None
-    model = dist.shard(model, decoder_layers(lm), param_dtype=param_dtype, offload=offload, forward_methods=("layer_pair", "layer_packed"))
+    model = dist.shard(model, decoder_layers(lm), param_dtype=param_dtype, offload=offload,
+                       forward_methods=("layer_packed",))
     if read is not None:
         fill(lm, torch.device("cpu") if offload else device, read)
     return model

@@ -46,7 +46,8 @@ def step_prompts(step, cursor, order, task, cfg, sizes, round_=0):
     slice, so groups never straddle ranks) and the round's sampling seed, fixed by the step and the round: a
     resumed run samples the same."""
     per_rank, rank = sizes.prompts_per_rank, dist.rank()
-    examples = [task.examples[i] for i in order.take(cursor, sizes.prompts_per_step)[rank * per_rank:(rank + 1) * per_rank]]
+    mine = order.take(cursor, sizes.prompts_per_step)[rank * per_rank:(rank + 1) * per_rank]
+    examples = [task.examples[i] for i in mine]
     return examples, cfg.seed * 1_000_003 + step * 1_009 + rank + round_ * 1_000_000_007
 
 

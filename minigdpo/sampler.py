@@ -7,7 +7,7 @@
 A Completion holds the sampled token ids (ending with the stop token when one was drawn),
 the log-prob of each under the sampling distribution at the given temperature (before
 top-p truncation, the same quantity the trainer recomputes), and why it ended. vLLM reports
-its log-probs after top-p truncation instead, which is why config.check_sampler refuses
+its log-probs after top-p truncation instead, which is why vllm_sampler.check_sampler refuses
 --top-p below 1 with vLLM.
 
 The vLLM backend lives in minigdpo/vllm_sampler.py, with `make_sampler`, which picks one of the two.
@@ -171,7 +171,8 @@ class HFSampler:
                     break
             # Rows that are done feed padding; their outputs are never read, so the new column can be all ones.
             mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)  # (N, P + t + 1)
-            out = self.model(input_ids=tok[:, None], attention_mask=self._decode_mask(mask), position_ids=next_pos[:, None],
+            out = self.model(input_ids=tok[:, None], attention_mask=self._decode_mask(mask),
+                             position_ids=next_pos[:, None],
                              past_key_values=cache, use_cache=True)
             cache, logits = out.past_key_values, out.logits[:, -1]
             next_pos = next_pos + 1
@@ -187,7 +188,8 @@ class HFSampler:
         only, so each row gets the keys, values and logits it gets alone.
         """
         B = len(prompts)
-        shared = min(common_prefix(prompts), min(len(p) for p in prompts) - 1) if B > 1 else 0  # every row keeps a token
+        # every row keeps a token of its own
+        shared = min(common_prefix(prompts), min(len(p) for p in prompts) - 1) if B > 1 else 0
         cache = None
         if shared > 0:
             out = self.model(input_ids=torch.tensor([prompts[0][:shared]], device=self.device), use_cache=True,

@@ -63,7 +63,8 @@ def policy_loss(logp, old_logp, ref_logp, advantages, mask, *, clip_low=0.2, cli
     norm: the aggregation's normaliser (module docstring's table): micro-batches per step for
     micro_batch_token_mean (after its own token mean), tokens for token_mean, sequences for
     seq_mean_token_mean, sequences x max_len for seq_mean_token_sum_norm; default, this micro-batch alone.
-    importance_sampling_cap > 0 multiplies the surrogate (not the KL) by the truncated importance weight min(exp(old_logp - sampler_logp), importance_sampling_cap), which corrects for the
+    importance_sampling_cap > 0 multiplies the surrogate (not the KL) by the truncated importance weight
+    min(exp(old_logp - sampler_logp), importance_sampling_cap), which corrects for the
     sampler/trainer mismatch (Yao et al., 2025). Metrics are 0-dim tensors (no host sync): sums over
     this micro-batch's valid tokens, except ratio_min and ratio_max.
     """

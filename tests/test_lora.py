@@ -279,7 +279,7 @@ def test_bad_lora_input_is_one_line_before_any_weights_load(tmp_path, capsys, fl
 
 
 def test_lora_values_are_checked():
-    for flags, message in [(["--lora-alpha", "16"], "--lora-alpha needs --lora-rank R >= 1 (0 turns LoRA off)"),
+    for flags, message in [(["--lora-alpha", "16"], "--lora-alpha needs --lora-rank R >= 1 (0: off)"),
                            (["--merge-on-save", "--lora-dropout", "0.1"], "--lora-dropout, --merge-on-save need --lora-rank"),
                            (["--lora-rank", "4", "--ref-offload"], "--ref-offload does nothing with --lora-rank")]:
         with pytest.raises(config.ConfigError) as e:

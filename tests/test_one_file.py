@@ -96,7 +96,7 @@ def full_update(paths, prompts, comps, rewards, estimator, condition, agg, size,
     model = policy.build(paths[0], device, torch.float32)
     ref = policy.build(paths[1], device, torch.float32, frozen=True)
     groups = [(p, [Completion(c, [0.0] * len(c)) for c in cs], a) for p, cs, a in zip(prompts, comps, adv.float())]
-    batches = microbatch.cut(groups, cfg, PAD, device, pack=pack)
+    batches = microbatch.cut(groups, cfg, PAD, device, "packed" if pack else "padded")
     assert len(batches) == -(-B * G // size)
     fill_logprobs(ref, batches, "ref_logp", cfg, reshard=True)
     opt = optimizer(model, cfg.lr, cfg.weight_decay)

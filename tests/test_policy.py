@@ -49,7 +49,8 @@ def random_batch(seed=0, prompts=2):
 
 def batches(seed=0, size=8, prompts=2, pack=False):
     ps, comps = random_batch(seed, prompts)
-    return micro_batches(ps, comps, torch.zeros(len(comps)), size, 257, torch.device("cpu"), G, pack)
+    return micro_batches(ps, comps, torch.zeros(len(comps)), size, 257, torch.device("cpu"), G,
+                         "packed" if pack else "padded")
 
 
 def model_logprobs(model, mb, temperature=1.0, chunk=1024, entropy=False, share_prefix=True):
@@ -301,7 +302,7 @@ def test_real_tokens_count_a_shared_prompt_once_and_the_computed_ones_count_padd
         + completion_tokens
     # padded rows compute every column; the packed row only the real tokens
     assert all(mb.model_tokens() == mb.prompt_ids.numel() + mb.completion_ids.numel() for mb in mbs)
-    packed = micro_batches(ps, comps, torch.zeros(len(comps)), 4, 257, torch.device("cpu"), G, pack=True)
+    packed = micro_batches(ps, comps, torch.zeros(len(comps)), 4, 257, torch.device("cpu"), G, "packed")
     assert [mb.model_tokens() for mb in packed] == [mb.real_tokens() for mb in mbs]
 
 
@@ -435,17 +436,18 @@ def test_the_optimizer_receives_gradients_clipped_to_max_grad_norm(tiny, process
     assert len(norms) == 1 and norms[0] <= 1e-3 * (1 + 1e-4), norms
 
 
-def test_the_shared_prefix_pass_composes_with_gradient_checkpointing(tiny, process_group):
-    """--grad-checkpointing (both A100 presets) keeps the shared-prefix pass: each layer_pair call is
-    checkpointed as a whole, so it runs once more in the backward, and values and gradients stay the
+@pytest.mark.parametrize("pack", [False, True])
+def test_the_pass_composes_with_gradient_checkpointing(tiny, process_group, pack):
+    """--grad-checkpointing (both A100 presets) keeps the shared-prefix pass, padded or packed: each layer_packed
+    call is checkpointed as a whole, so it runs once more in the backward, and values and gradients stay the
     textbook ones."""
     model = policy.build(tiny[0], process_group, torch.float32, grad_checkpointing=True)
     assert model.shares_prefix and model.lm.is_gradient_checkpointing
     calls = []
     for layer in logprobs.decoder_layers(model.lm):
-        pair = layer.layer_pair
-        layer.layer_pair = lambda *a, _pair=pair, **k: calls.append(1) or _pair(*a, **k)
-    (mb,) = batches(seed=11)
+        pair = layer.layer_packed
+        layer.layer_packed = lambda *a, _pair=pair, **k: calls.append(1) or _pair(*a, **k)
+    (mb,) = batches(seed=11, pack=pack)
     got = model_logprobs(model, mb, 0.7, 4)
     forward_calls = len(calls)
     plain = models.load_model(tiny[0])

@@ -123,3 +123,50 @@ def test_update_throughput_counts_every_pass_and_only_trainable_weight_gradients
     tokens, flops, n_params, n_trainable = rows["lora"]
     assert n_trainable < n_params and flops == pytest.approx(4 * n_params + 2 * n_trainable, rel=1e-6)
     assert rows["one"][1] == pytest.approx(6 * rows["one"][2], rel=1e-6)
+
+
+def test_padding_free_true_and_false_train_the_same(tmp_path):
+    """The packed row and the padded one: the same loss, KL and updated parameters (fp32), under dapo."""
+    rows, weights = {}, {}
+    for flag in ("true", "false"):
+        out = str(tmp_path / flag)
+        run(SMOKE + ["--max-steps", "1", "--save-every", "1", "--loss-agg", "dapo", "--padding-free", flag,
+                     "--max-prompt-len", "1000", "--micro-batch-size", "8", "--output-dir", out])  # 2 prompts of 2 lengths
+        rows[flag] = read_jsonl(os.path.join(out, "metrics.jsonl"))[0]
+        weights[flag] = final_weights(out, 1)
+    assert rows["true"]["throughput/padding_frac"] == 0 < rows["false"]["throughput/padding_frac"]
+    for key in ("loss", "kl", "loss/pg", "entropy", "grad_norm"):
+        assert rows["true"][key] == pytest.approx(rows["false"][key], abs=1e-5), key
+    for name, w in weights["true"].items():
+        torch.testing.assert_close(w, weights["false"][name], atol=1e-5, rtol=0, msg=name)
+
+
+@pytest.mark.slow
+def test_a_token_budget_moves_groups_between_ranks_and_counts_globally(tmp_path):
+    """Rank 0's two long groups go to micro-batches of their own, rank 1's two short ones join one of them: one
+    rank trains on a long group and both short ones, the other on the second long group; each runs one
+    micro-batch, and the update's normaliser is the global token count over the world size on both."""
+    import json
+
+    out = str(tmp_path / "deal.json")
+    run(["tests/deal_main.py", out], nproc=2)
+    got = [json.load(open(f"{out}.{r}")) for r in (0, 1)]
+    assert sorted(tuple(g["groups"]) for g in got) == [(10, 20, 21), (11,)]
+    assert [g["micro_batches"] for g in got] == [1, 1] and sum(g["empty"] for g in got) == 0
+    total = sum(g["tokens"] for g in got)
+    assert total == 2 * 2 * 30 + 2 * 2 * 5 and all(g["normaliser"] == total / 2 for g in got)
+
+
+@pytest.mark.slow
+def test_two_ranks_with_a_token_budget_resume_exactly(tmp_path):
+    common = SMOKE + ["--batch-size", "16", "--micro-batch-tokens", "300", "--max-steps", "3", "--save-every", "1",
+                      "--keep-checkpoints", "5", "--lr-schedule", "constant"]
+    a, b = str(tmp_path / "a"), str(tmp_path / "b")
+    run(common + ["--output-dir", a], nproc=2)
+    run(common + ["--output-dir", b, "--max-steps", "2"], nproc=2)  # stopped after step 2's checkpoint
+    run(common + ["--output-dir", b, "--resume"], nproc=2)
+    wa, wb = final_weights(a, 3), final_weights(b, 3)
+    assert all(torch.equal(wa[k], wb[k]) for k in wa)
+    ra, rb = read_jsonl(os.path.join(a, "metrics.jsonl")), read_jsonl(os.path.join(b, "metrics.jsonl"))
+    assert [r["loss"] for r in ra] == [r["loss"] for r in rb]
+

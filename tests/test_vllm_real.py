@@ -83,7 +83,7 @@ def test_engine_logprobs_equal_the_trainers(engine, policy_model, temperature):
 
 def test_top_p_logprobs_are_renormalised_over_the_nucleus_so_the_refusal_stays(engine, policy_model):
     """vLLM's processed log-probs under top-p are log p - log(nucleus mass), not the trainer's log p:
-    config.check_sampler's refusal of --top-p < 1 with vLLM is needed."""
+    vllm_sampler.check_sampler's refusal of --top-p < 1 with vLLM is needed."""
     sampler, _ = engine
     sampler.load_weights(policy_model.whole_weights())
     worst, (trainer, sampled, mask) = gap(policy_model, sampler, top_p=0.5)

@@ -111,12 +111,12 @@ def test_install_resolves_to_the_stack_the_sampler_is_written_for():
 
 def test_settings_vllm_cannot_honour_are_refused_before_any_model_loads():
     with pytest.raises(config.ConfigError, match="--top-p 0.9 needs --sampler hf"):
-        config.check_sampler(config.Config(top_p=0.9), "vllm")
+        vllm_sampler.check_sampler(config.Config(top_p=0.9), "vllm")
     for t in (0.005, 2.5):  # vLLM would sample at 0.01, or refuse: the trainer's log-probs would use t
         with pytest.raises(config.ConfigError, match=f"--temperature {t} needs --sampler hf"):
-            config.check_sampler(config.Config(temperature=t), "vllm")
-        config.check_sampler(config.Config(temperature=t, top_p=0.9), "hf")
-    config.check_sampler(config.Config(temperature=0.01), "vllm")
+            vllm_sampler.check_sampler(config.Config(temperature=t), "vllm")
+        vllm_sampler.check_sampler(config.Config(temperature=t, top_p=0.9), "hf")
+    vllm_sampler.check_sampler(config.Config(temperature=0.01), "vllm")
 
 
 def test_fake_raises_small_temperatures_to_one_hundredth_and_refuses_large_ones(vllm):
