@@ -1,8 +1,8 @@
 """One flat config dataclass, its presets, and the command line generated from it.
 
-Every field has a docstring; `python train.py --help` prints them. A preset is a plain
-dict of field values; explicit flags override it. `resolve` checks every value once,
-before any model loads, and computes the derived sizes that train.py prints and logs.
+Every field has a docstring; `python train.py --help` prints them. A preset is a plain dict of field values;
+explicit flags override it. `validate` checks every value once, before any model loads, and `resolve` computes
+the sizes that train.py prints and logs (saved as "derived", the key checkpoints have always held).
 """
 
 import argparse
@@ -65,8 +65,7 @@ class Config:
     num_iterations: int = 1
     """Optimizer passes over each sampled batch (mu in GRPO). 1 skips the old log-prob pass."""
     dynamic_sampling: bool = False
-    """Train only on groups the estimator can learn from (some completion's group-level advantage is not 0,
-    estimators.informative_groups), sampling more prompts until the step holds batch_size such completions."""
+    """Train only on groups the estimator can learn from, sampling more prompts until there are batch_size."""
     max_sample_rounds: int = 4
     """With --dynamic-sampling: rounds of sampling per step at most. At the cap the step trains on the groups it
     found, rounded down to a multiple of the world size, and skips its update if none (sampling/skipped_update)."""
@@ -191,10 +190,10 @@ PRESETS = {
     # The paper's released GSM8K recipe: 512 completions (32 prompts x G=16) a step, on 8 GPUs x 16 x 4 accumulations.
     "paper-gsm8k": dict(),
     # One 80 GB A100: G=8, 256 completions per step, micro-batches that fit with vLLM colocated.
-    "a100": dict(group_size=8, batch_size=256, micro_batch_size=8, grad_checkpointing=True,
+    "a100": dict(group_size=8, batch_size=256, micro_batch_tokens=16384, grad_checkpointing=True,
                  vllm_gpu_memory_utilization=0.35),
     # Qwen2.5-7B on one 80 GB A100: frozen bf16 base, rank-32 adapters, no reference copy; lr 5e-5 untuned.
-    "a100-lora": dict(model="Qwen/Qwen2.5-7B-Instruct", group_size=8, batch_size=256, micro_batch_size=8,
+    "a100-lora": dict(model="Qwen/Qwen2.5-7B-Instruct", group_size=8, batch_size=256, micro_batch_tokens=16384,
                       grad_checkpointing=True, lora_rank=32, lora_alpha=64.0, lr=5e-5,
                       vllm_gpu_memory_utilization=0.55),
     # Offline, 2 CPU cores, about 7 minutes: SmolLM2-135M learns arithmetic, then meets its base model on 64 problems.
@@ -377,7 +376,7 @@ class Sizes:
     prompts_per_step: int      # B over all ranks
     prompts_per_rank: int
     seqs_per_rank: int         # prompts_per_rank * G
-    grad_accum: int            # micro-batches per optimizer step on one rank
+    grad_accum: int            # micro-batches per optimizer step on one rank (0: by tokens, it depends on lengths)
     total_steps: int           # RL steps (each is num_iterations optimizer steps)
     mesh: tuple = ()           # FSDP2 device mesh: (ranks,) flat, or (nodes, ranks per node) for HSDP
 
@@ -392,7 +391,8 @@ def resolve(cfg, world_size, num_prompts, mesh=()):
     seqs = per_rank * cfg.group_size
     _check(num_prompts >= 1, "the prompt set is empty")
     steps = cfg.max_steps or max(1, int(cfg.epochs * num_prompts) // prompts)
-    return Sizes(world_size, prompts, per_rank, seqs, math.ceil(seqs / cfg.micro_batch_size), steps, tuple(mesh))
+    accum = 0 if cfg.micro_batch_tokens else math.ceil(seqs / cfg.micro_batch_size)
+    return Sizes(world_size, prompts, per_rank, seqs, accum, steps, tuple(mesh))
 
 
 def describe(cfg, derived):
