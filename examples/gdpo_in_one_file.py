@@ -164,8 +164,7 @@ def sample(policy, tokenizer, prompts, args):
     before_stop = (stop.cumsum(-1) - stop) == 0                                   # (N, T) up to the first stop
     completion_mask = before_stop.float()                                         # (N, T)
     completion_ids = torch.where(before_stop, completion_ids, tokenizer.pad_token_id)
-    texts = tokenizer.batch_decode(completion_ids * before_stop + tokenizer.pad_token_id * ~before_stop,
-                                   skip_special_tokens=True)
+    texts = tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
     batch = {"prompt_ids": left.input_ids.repeat_interleave(G, 0), "prompt_mask": left.attention_mask.repeat_interleave(G, 0),
              "completion_ids": completion_ids, "completion_mask": completion_mask}
     return batch, texts

@@ -26,7 +26,8 @@ from minigdpo import dist, models, policy  # noqa: E402
 from minigdpo.config import Config  # noqa: E402
 from minigdpo.sampler import Completion  # noqa: E402
 from minigdpo.microbatch import micro_batches  # noqa: E402
-from minigdpo.update import optimizer, scheduler, update  # noqa: E402
+from minigdpo import update as update_module  # noqa: E402
+from minigdpo.update import normaliser, optimizer, scheduler, update  # noqa: E402
 
 
 class Reductions:
@@ -92,9 +93,11 @@ def main(out, sharding):
             return reduce(*args, **kwargs)
 
         dist.reduce_gradients = sampled
+        norm = normaliser(batches, cfg)  # its all-reduce of the counts is the update's own, not FSDP2's: not counted
+        update_module.normaliser = lambda *a: norm
         with Reductions() as counted:
             update(model, opt, sched, batches, cfg)
-        dist.reduce_gradients = reduce
+        dist.reduce_gradients, update_module.normaliser = reduce, normaliser
         result[mode] = {k: v / modules for k, v in counted.counts.items()} | {"micro_batches": len(batches),
                                                                               "peak_grad_bytes": peak[0]}
         params[mode] = {n: t.clone() for n, t in model.whole_weights()}
