@@ -19,6 +19,9 @@ with thousands separators equal the bare digits; on GPUs vLLM samples inside eac
 mode). With LoRA (--lora-rank R) only adapters train; step 5's reference is the model with its
 adapters off, and step 7 pushes the merged weights (minigdpo/lora.py).
 
+The update's throughput in metrics.jsonl counts real tokens only, never padding, and its TFLOP/s add attention's
+12 x layers x hidden per causal (query, key) pair to 6 x parameters per token (docs/outputs.md).
+
 Launch:
   python train.py --preset cpu-demo                          # offline CPU demo, about 7 min on 2 cores
   python train.py --preset a100 --estimator gdpo             # one 80 GB A100 (a100-lora: Qwen2.5-7B with LoRA)
