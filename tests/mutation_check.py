@@ -36,7 +36,7 @@ class Mutation:
 MUTATIONS = [
     # The three that once passed every test.
     Mutation("update: the trainer's log-probs at temperature 1 (the sampler still samples at --temperature)",
-             "minigdpo/update.py", 'mb["mask"], cfg.temperature,', 'mb["mask"], 1.0,',
+             "minigdpo/update.py", "model(mb, cfg.temperature, cfg.logprob_chunk", "model(mb, 1.0, cfg.logprob_chunk",
              ("tests/test_train.py", "-k", "test_smoke_run and 1")),
     Mutation("update: gradient clipping computes the norm but does not scale the gradients",
              "minigdpo/update.py", "norm = torch.nn.utils.clip_grad_norm_(params, max_norm if max_norm > 0 else math.inf)",
@@ -63,8 +63,8 @@ MUTATIONS = [
              "minigdpo/advantages.py", "z = dev / (var.sqrt() + eps)", "z = dev / (var + eps).sqrt()",
              ("tests/test_advantages.py",)),
     Mutation("advantages: dynamic sampling asks GRPO's question (the summed reward) for GDPO too",
-             "minigdpo/advantages.py", '"gdpo": lambda r, w: grpo(r, w) if r.shape[-1] == 1 else gdpo_group(r, w),',
-             '"gdpo": lambda r, w: grpo(r, w),', ("tests/test_dynamic_sampling.py", "-m", "not slow")),
+             "minigdpo/estimators.py", "return grpo(r, w) if r.shape[-1] == 1 else gdpo_group(r, w)",
+             "return grpo(r, w)", ("tests/test_dynamic_sampling.py", "-m", "not slow")),
     # The loss.
     Mutation("loss: k1 in place of the k3 KL estimator",
              "minigdpo/update.py", "kl = torch.exp(delta) - delta - 1", "kl = -delta", ("tests/test_loss.py",)),
@@ -75,10 +75,10 @@ MUTATIONS = [
              "minigdpo/update.py", "pg = -torch.min(ratio * adv, clipped * adv)", "pg = -torch.max(ratio * adv, clipped * adv)",
              ("tests/test_loss.py",)),
     Mutation("loss: token_mean divides by the micro-batch's tokens, not the batch's",
-             "minigdpo/update.py", '"token_mean": num_tokens,', '"token_mean": mb["mask"].sum().clamp(min=1),',
+             "minigdpo/update.py", '"token_mean": tokens,', '"token_mean": 1.0,',
              ("tests/test_trl_oracle.py",)),
     Mutation("loss: bnpo forgets the number of micro-batches",
-             "minigdpo/update.py", '"micro_batch_token_mean": len(batches),', '"micro_batch_token_mean": 1,',
+             "minigdpo/update.py", '"micro_batch_token_mean": micro,', '"micro_batch_token_mean": 1,',
              ("tests/test_trl_oracle.py",)),
     # The log-probs, the optimizer and its schedule.
     Mutation("logprobs: the chunked log-probs ignore the temperature",
@@ -91,8 +91,8 @@ MUTATIONS = [
              "decay", ("tests/test_policy.py",)),
     # The training loop.
     Mutation("update: padding counted as completion tokens in the mask",
-             "minigdpo/update.py", "mask[row, :n] = torch.tensor(completions[i].token_ids), 1",
-             "mask[row, :] = torch.tensor(completions[i].token_ids), 1", ("tests/test_policy.py",)),
+             "minigdpo/microbatch.py", "mask[row, :lengths[row]] = float(counted)",
+             "mask[row, :] = float(counted)", ("tests/test_policy.py", "tests/test_one_file.py")),
     Mutation("train: the reference log-probs taken from the policy",
              "train.py", 'fill_logprobs(ref, batches, "ref_logp", cfg, reshard=True)',
              'fill_logprobs(model, batches, "ref_logp", cfg)', ("tests/test_train.py", "-k", "test_smoke_run and 1")),
