@@ -3,11 +3,11 @@
 Shape legend: b distinct prompts in a micro-batch, N its sequences, P prompt columns, T completion columns,
 K completion tokens, L packed tokens (each prompt once and every completion token, no padding).
 
-A micro-batch holds its distinct prompts once each, left-padded (b, P), and its completions right-padded (N, T):
-the rows the shared-prefix pass reads (minigdpo/logprobs.py). With the padding-free pass it also holds a `Packed`
-layout: every prompt token once and every completion token in one row of L tokens, with the indices that take
-them to and from the padded rows attention reads. Every index is built here, on the host, so that no pass over
-the model waits for the device to learn a shape.
+A micro-batch holds its distinct prompts once each, left-padded (b, P), and its completions right-padded (N, T),
+and for the models whose forward the pass reproduces (minigdpo/logprobs.py) a `Packed` layout: each prompt once
+and every completion in one row of tokens, with the indices that take them to and from the padded rows attention
+reads; packed, the row holds no padding (--padding-free false keeps it in). Every index is built here, on the
+host, so that no pass over the model waits for the device to learn a shape.
 
 Two ways to cut a step's groups (`cut`):
 - by count (--micro-batch-size S): each rank cuts its own groups, prompts in order of length, S sequences each;
