@@ -63,7 +63,8 @@ ARMS = {"gdpo": ("--estimator gdpo", ("arith", "arith_length")), "grpo": ("--est
         "gdpo+cond": (f"--estimator gdpo {CONDITION}", ("arith_length",)),
         "grpo+cond": (f"--estimator grpo {CONDITION}", ("arith_length",)),
         "gd2po": ("--estimator gd2po", ("arith_length",)), "saw_gdpo": ("--estimator saw_gdpo", ("arith_length",))}
-# The comparisons, fixed before any result: a - b, paired by seed.
+# The comparisons, fixed before any result: a - b, paired by seed. A comparison is open at 6 seeds when its interval
+# on held-out `correct` or `length_ok` holds 0; then seeds 6-11 go to both its arms (`--seeds 6-11 --arms ...`).
 COMPARISONS = {"arith": [("gdpo", "grpo")],
                "arith_length": [("gdpo", "grpo"), ("gdpo+cond", "gdpo"), ("gdpo+cond", "grpo+cond"), ("gd2po", "gdpo"),
                                 ("saw_gdpo", "gdpo")]}
