@@ -1,4 +1,5 @@
-"""Does GDPO train SmolLM2-135M better than GRPO? The same recipe over seeds, each run evaluated held out.
+"""Does GDPO train SmolLM2-135M better than GRPO, and where rewards conflict, do the paper's remedy or GDPO's
+successors help? The same recipe over seeds, each run evaluated held out.
 
     python examples/gdpo_vs_grpo.py                    # every run not yet done, then the summary and the plot
     python examples/gdpo_vs_grpo.py --report           # only the summary, from the runs already done
@@ -23,12 +24,16 @@ The settings, fixed before any result was seen, the same for every arm:
                    drop reasoning, which pulls against `correct`, as the length limit does in the paper's
                    math runs. Unconditioned (no Eq. 8), so the two rewards pull freely.
 
+The arms: `gdpo` and `grpo` in both settings; in `arith_length` only, where the rewards pull apart, the paper's
+remedy for that case (Eq. 8, `length_ok` conditioned on `correct`) for both, `gdpo+cond` and `grpo+cond`, and
+GDPO's two successors at their defaults, `gd2po` and `saw_gdpo` (see ARMS below for which defaults and why).
+
 Statistics (computed from the runs' entries, written with them to docs/results/gdpo_vs_grpo.json):
 - per arm, the mean over seeds and a 95% Student-t interval of each held-out metric and of each training
   reward averaged over the last three steps;
-- the paired difference GDPO - GRPO (same seed: same prompts at every step, same held-out problems), its mean,
-  a 95% percentile-bootstrap interval over seeds (10,000 resamples, seed 0) and the seeds where GDPO wins,
-  ties and loses;
+- for each comparison a - b in COMPARISONS, the paired difference (same seed: same prompts at every step, same
+  held-out problems), its mean, a 95% percentile-bootstrap interval over the seeds both arms ran (10,000
+  resamples, seed 0) and the seeds where a wins, ties and loses;
 - adv/distinct_per_group, the distinct advantage values per group averaged over the steps (G=8 at most):
   GRPO's reward collapse, measured in the real run.
 """
@@ -46,6 +51,7 @@ import numpy as np
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RESULTS = os.path.join(ROOT, "docs", "results", "gdpo_vs_grpo.json")
 PLOT = os.path.join(ROOT, "docs", "results", "gdpo_vs_grpo.png")
+REMEDIES_PLOT = os.path.join(ROOT, "docs", "results", "gdpo_vs_grpo_remedies.png")
 STEPS = 8
 HELDOUT = 128
 RECIPE = f"--preset cpu-demo --sampler vllm --max-steps {STEPS} --no-final-eval"
@@ -120,7 +126,7 @@ def do_run(setting, arm, seed, keep_checkpoints):
     t0 = time.time()
     with open(os.path.join(ROOT, "runs", "study", "log.txt"), "a") as log:
         env = dict(os.environ, PATH=os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", ""))
-        done = subprocess.run(line, shell=True, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+        done = subprocess.run(line, check=False, shell=True, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
     if done.returncode != 0:
         raise SystemExit(f"error: the run exited with {done.returncode} (its output: runs/study/log.txt): {line}")
     with open(os.path.join(out, "study_wall_s.txt"), "w") as f:
@@ -169,14 +175,18 @@ def summarise(runs):
             continue
         keys = list(metrics_of(next(iter(arms.values()))[0]))
         entry = {"per_arm": {arm: {k: interval([metrics_of(r)[k] for r in rs]) for k in keys} for arm, rs in arms.items()},
-                 "paired": {}, "seeds": {arm: [r["seed"] for r in rs] for arm, rs in arms.items()}}
+                 "paired": {}, "paired_arms": {}, "seeds": {arm: [r["seed"] for r in rs] for arm, rs in arms.items()}}
         by_seed = {arm: {r["seed"]: metrics_of(r) for r in rs} for arm, rs in arms.items()}
         for a, b in COMPARISONS[setting]:
             if a in by_seed and b in by_seed:
                 seeds = sorted(set(by_seed[a]) & set(by_seed[b]))
                 entry["paired"][f"{a} - {b}"] = {
                     k: paired([by_seed[a][s][k] for s in seeds], [by_seed[b][s][k] for s in seeds]) for k in keys}
+                # Each arm over the same seeds, so that a table's columns and its difference describe one set of runs.
+                entry["paired_arms"][f"{a} - {b}"] = {
+                    arm: {k: interval([by_seed[arm][s][k] for s in seeds]) for k in keys} for arm in (a, b)}
         entry["wall_s"] = sum(r["wall_s"] for rs in arms.values() for r in rs)
+        entry["wall_s_per_arm"] = {arm: sum(r["wall_s"] for r in rs) for arm, rs in arms.items()}
         summary[setting] = entry
     summary["total_wall_s"] = sum(r["wall_s"] for r in runs)
     summary["intervals"] = ("per arm: mean and 95% Student-t interval over seeds; paired: mean of a - b over the seeds "
@@ -206,17 +216,44 @@ def report(summary, markdown=False):
                 print(f"{'metric':<34} {a:>24} {b:>24} {'difference':>26} {'W/T/L':>7}")
             for k, d in diffs.items():
                 diff = f"{d['mean']:+.3f} [{d['low']:+.3f}, {d['high']:+.3f}]"
-                cells = (fmt(entry["per_arm"][a][k]), fmt(entry["per_arm"][b][k]))
+                cells = (fmt(entry["paired_arms"][name][a][k]), fmt(entry["paired_arms"][name][b][k]))
                 if markdown:
                     print(f"| {k} | {cells[0]} | {cells[1]} | {diff} | {d['wins']} / {d['ties']} / {d['losses']} |")
                 else:
                     print(f"{k:<34} {cells[0]:>24} {cells[1]:>24} {diff:>26} {d['wins']}/{d['ties']}/{d['losses']:<3}")
     if not markdown:
+        for setting, entry in summary.items():
+            if isinstance(entry, dict) and "wall_s_per_arm" in entry:
+                print(f"\n{setting}, minutes of runs: " + ", ".join(
+                    f"{arm} {w / 60:.0f} ({len(entry['seeds'][arm])} runs)" for arm, w in entry["wall_s_per_arm"].items()))
         print(f"\n{summary['intervals']}; total {summary['total_wall_s'] / 60:.0f} min of runs")
 
 
-def plot(runs, path):
-    """Training reward curves: one row per setting, one panel per reward, mean and 95% t band over seeds per arm."""
+COLOURS = dict(zip(ARMS, ("tab:blue", "tab:orange", "tab:green", "tab:red", "tab:purple", "tab:brown")))
+
+
+def curve_panel(ax, runs, setting, reward, arms, bands=True):
+    """One reward's training curve per arm: the mean over seeds, and its 95% t band."""
+    for arm in arms:
+        curves = np.array([r["curves"][reward] for r in runs if r["setting"] == setting and r["arm"] == arm])
+        if not len(curves):
+            continue
+        steps = np.arange(1, curves.shape[1] + 1)
+        per_step = [interval(curves[:, t]) for t in range(curves.shape[1])]
+        ax.plot(steps, [b["mean"] for b in per_step], color=COLOURS[arm], label=f"{arm} ({len(curves)} seeds)")
+        if bands and len(curves) > 1:
+            ax.fill_between(steps, [b["low"] for b in per_step], [b["high"] for b in per_step], color=COLOURS[arm],
+                            alpha=0.2)
+    ax.set_title(f"{setting}: {reward.split('/', 1)[1]}", fontsize=9)
+    ax.set_xlabel("step")
+    ax.set_ylim(-0.05, 1.05)
+    ax.legend(fontsize=7)
+
+
+def plot(runs, path, remedies_path):
+    """Two figures. The first: GDPO's and GRPO's training reward curves, one row per setting, one panel per reward.
+    The second, where the rewards pull apart: each arm's held-out `correct` against `length_ok` (mean and 95% t
+    interval over seeds), and every arm's training curves of those two rewards."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -226,26 +263,37 @@ def plot(runs, path):
     for row, setting in zip(axes, settings):
         rewards = list(next(r for r in runs if r["setting"] == setting)["curves"])
         for ax, reward in zip(row, rewards):
-            for est, colour in zip(ARMS, ("tab:blue", "tab:orange", "tab:green", "tab:red", "tab:purple", "tab:brown")):
-                curves = np.array([r["curves"][reward] for r in runs if r["setting"] == setting and r["arm"] == est])
-                if not len(curves):
-                    continue
-                steps = np.arange(1, curves.shape[1] + 1)
-                bands = [interval(curves[:, t]) for t in range(curves.shape[1])]
-                mean = np.array([b["mean"] for b in bands])
-                ax.plot(steps, mean, color=colour, label=f"{est} ({len(curves)} seeds)")
-                if len(curves) > 1:
-                    ax.fill_between(steps, [b["low"] for b in bands], [b["high"] for b in bands], color=colour, alpha=0.2)
-            ax.set_title(f"{setting}: {reward.split('/', 1)[1]}", fontsize=9)
-            ax.set_xlabel("step")
-            ax.set_ylim(-0.05, 1.05)
-            ax.legend(fontsize=7)
+            curve_panel(ax, runs, setting, reward, ("gdpo", "grpo"))
         for ax in row[len(rewards):]:
             ax.axis("off")
-    fig.suptitle("training rewards per step, mean and 95% interval over seeds", fontsize=10)
+    fig.suptitle("GDPO and GRPO: training rewards per step, mean and 95% interval over seeds", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
+    plt.close(fig)
     print(f"wrote {os.path.relpath(path, ROOT)}")
+    here = [r for r in runs if r["setting"] == "arith_length"]
+    if not any(r["arm"] not in ("gdpo", "grpo") for r in here):
+        return
+    fig, axes = plt.subplots(1, 3, figsize=(13.5, 3.8))
+    for arm in ARMS:
+        rs = [r for r in here if r["arm"] == arm]
+        if not rs:
+            continue
+        x, y = (interval([r["heldout"][f"reward/{k}"] for r in rs]) for k in ("length_ok", "correct"))
+        axes[0].errorbar(x["mean"], y["mean"], xerr=[[x["mean"] - x["low"]], [x["high"] - x["mean"]]],
+                         yerr=[[y["mean"] - y["low"]], [y["high"] - y["mean"]]], fmt="o", color=COLOURS[arm],
+                         capsize=3, label=f"{arm} ({len(rs)} seeds)")
+    axes[0].set_xlabel("held-out length_ok")
+    axes[0].set_ylabel("held-out correct")
+    axes[0].set_title("arith_length: held out, mean and 95% interval over seeds", fontsize=9)
+    axes[0].legend(fontsize=7)
+    for ax, reward in zip(axes[1:], ("reward/correct", "reward/length_ok")):
+        curve_panel(ax, runs, "arith_length", reward, ARMS, bands=False)
+    fig.suptitle("where the rewards pull apart: the paper's condition (+cond) and GDPO's successors", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(remedies_path, dpi=110)
+    plt.close(fig)
+    print(f"wrote {os.path.relpath(remedies_path, ROOT)}")
 
 
 def parse_seeds(text):
@@ -291,7 +339,7 @@ def main():
     if args.markdown:
         report(summary, markdown=True)
     if runs:
-        plot(runs, PLOT)
+        plot(runs, PLOT, REMEDIES_PLOT)
 
 
 if __name__ == "__main__":
