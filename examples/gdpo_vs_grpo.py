@@ -200,11 +200,28 @@ def fmt(iv):
     return f"{iv['mean']:.3f} [{iv['low']:.3f}, {iv['high']:.3f}]"
 
 
+PER_ARM = ("heldout/reward/correct", "heldout/reward/length_ok", "adv/distinct_per_group")
+
+
 def report(summary, markdown=False):
-    """Each setting's comparisons: both arms' means and the paired difference, as text or markdown tables."""
+    """Each setting's arms over all their seeds, then its comparisons: both arms' means over the seeds they pair
+    on and the paired difference; as text or markdown tables."""
     for setting, entry in summary.items():
         if not isinstance(entry, dict) or "per_arm" not in entry:
             continue
+        keys = [k for k in PER_ARM if k in next(iter(entry["per_arm"].values()))]
+        if markdown:
+            print(f"\n{setting}, every arm over all its seeds:\n")
+            print("| arm | seeds | " + " | ".join(keys) + " | minutes of runs |\n" + "|---" * (len(keys) + 3) + "|")
+        else:
+            print(f"\n{setting}: every arm over all its seeds")
+            print(f"{'arm':<10} {'seeds':>5} " + " ".join(f"{k:>26}" for k in keys) + f" {'minutes':>8}")
+        for arm, per in entry["per_arm"].items():
+            n, minutes = len(entry["seeds"][arm]), entry["wall_s_per_arm"][arm] / 60
+            if markdown:
+                print(f"| {arm} | {n} | " + " | ".join(fmt(per[k]) for k in keys) + f" | {minutes:.0f} |")
+            else:
+                print(f"{arm:<10} {n:>5} " + " ".join(f"{fmt(per[k]):>26}" for k in keys) + f" {minutes:>8.0f}")
         for name, diffs in entry["paired"].items():
             a, b = name.split(" - ")
             n = next(iter(diffs.values()))["n"]
@@ -222,10 +239,6 @@ def report(summary, markdown=False):
                 else:
                     print(f"{k:<34} {cells[0]:>24} {cells[1]:>24} {diff:>26} {d['wins']}/{d['ties']}/{d['losses']:<3}")
     if not markdown:
-        for setting, entry in summary.items():
-            if isinstance(entry, dict) and "wall_s_per_arm" in entry:
-                print(f"\n{setting}, minutes of runs: " + ", ".join(
-                    f"{arm} {w / 60:.0f} ({len(entry['seeds'][arm])} runs)" for arm, w in entry["wall_s_per_arm"].items()))
         print(f"\n{summary['intervals']}; total {summary['total_wall_s'] / 60:.0f} min of runs")
 
 
