@@ -263,10 +263,10 @@ def curve_panel(ax, runs, setting, reward, arms, bands=True):
     ax.legend(fontsize=7)
 
 
-def plot(runs, path, remedies_path):
+def plot(runs, summary, path, remedies_path):
     """Two figures. The first: GDPO's and GRPO's training reward curves, one row per setting, one panel per reward.
     The second, where the rewards pull apart: each arm's held-out `correct` against `length_ok` (mean and 95% t
-    interval over seeds), and every arm's training curves of those two rewards."""
+    interval over seeds, as the summary's per-arm table has them), and every arm's training curves of those two."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -284,18 +284,15 @@ def plot(runs, path, remedies_path):
     fig.savefig(path, dpi=110)
     plt.close(fig)
     print(f"wrote {os.path.relpath(path, ROOT)}")
-    here = [r for r in runs if r["setting"] == "arith_length"]
-    if not any(r["arm"] not in ("gdpo", "grpo") for r in here):
+    per_arm = summary.get("arith_length", {}).get("per_arm", {})
+    if set(per_arm) <= {"gdpo", "grpo"}:
         return
     fig, axes = plt.subplots(1, 3, figsize=(13.5, 3.8))
-    for arm in ARMS:
-        rs = [r for r in here if r["arm"] == arm]
-        if not rs:
-            continue
-        x, y = (interval([r["heldout"][f"reward/{k}"] for r in rs]) for k in ("length_ok", "correct"))
+    for arm, per in per_arm.items():
+        x, y = per["heldout/reward/length_ok"], per["heldout/reward/correct"]
         axes[0].errorbar(x["mean"], y["mean"], xerr=[[x["mean"] - x["low"]], [x["high"] - x["mean"]]],
                          yerr=[[y["mean"] - y["low"]], [y["high"] - y["mean"]]], fmt="o", color=COLOURS[arm],
-                         capsize=3, label=f"{arm} ({len(rs)} seeds)")
+                         capsize=3, label=f"{arm} ({y['n']} seeds)")
     axes[0].set_xlabel("held-out length_ok")
     axes[0].set_ylabel("held-out correct")
     axes[0].set_title("arith_length: held out, mean and 95% interval over seeds", fontsize=9)
@@ -352,7 +349,7 @@ def main():
     if args.markdown:
         report(summary, markdown=True)
     if runs:
-        plot(runs, PLOT, REMEDIES_PLOT)
+        plot(runs, summary, PLOT, REMEDIES_PLOT)
 
 
 if __name__ == "__main__":
