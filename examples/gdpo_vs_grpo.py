@@ -3,6 +3,7 @@ successors help? The same recipe over seeds, each run evaluated held out.
 
     python examples/gdpo_vs_grpo.py                    # every run not yet done, then the summary and the plot
     python examples/gdpo_vs_grpo.py --report           # only the summary, from the runs already done
+    python examples/gdpo_vs_grpo.py --report --seeds 0-5   # the summary of seeds 0-5's runs alone (printed only)
     python examples/gdpo_vs_grpo.py --seeds 0-1 --settings arith   # a subset (the summary covers what is done)
     python examples/gdpo_vs_grpo.py --arms gdpo+cond,grpo+cond,gd2po,saw_gdpo   # the remedy and the successors
 
@@ -313,7 +314,8 @@ def parse_seeds(text):
 
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--seeds", default="0-5", help="seeds, as N or N-M (default 0-5)")
+    p.add_argument("--seeds", help="seeds, as N or N-M (default 0-5); with --report, summarise only these seeds' runs "
+                   "(printed, the results file and the plots left as they are)")
     p.add_argument("--settings", default=",".join(SETTINGS), help="comma-separated, of: " + ", ".join(SETTINGS))
     p.add_argument("--arms", default=",".join(ARMS), help="comma-separated, of: " + ", ".join(ARMS))
     p.add_argument("--report", action="store_true", help="only summarise the runs already done")
@@ -326,7 +328,7 @@ def main():
         raise SystemExit(f"error: --settings: unknown {', '.join(sorted(unknown))} (choose from {', '.join(SETTINGS)})")
     os.makedirs(os.path.join(ROOT, "runs", "study"), exist_ok=True)
     if not args.report:
-        for seed in parse_seeds(args.seeds):  # seed-major: a study cut short still holds paired seeds
+        for seed in parse_seeds(args.seeds or "0-5"):  # seed-major: a study cut short still holds paired seeds
             for setting in settings:
                 for arm in args.arms.split(","):
                     if setting in ARMS[arm][1]:
@@ -340,6 +342,10 @@ def main():
                     for r in json.load(f)["runs"]}
     done |= {(s, a, seed): r for s in SETTINGS for a in ARMS for seed in range(100) if (r := read_run(s, a, seed))}
     runs = list(done.values())
+    if args.report and args.seeds:  # a part of the study, e.g. its first 6 seeds: printed, nothing written
+        part = summarise([r for r in runs if r["seed"] in parse_seeds(args.seeds)])
+        report(part, markdown=args.markdown)
+        return
     summary = summarise(runs)
     os.makedirs(os.path.dirname(RESULTS), exist_ok=True)
     with open(RESULTS, "w") as f:
