@@ -43,7 +43,7 @@ from collections import deque
 import torch
 from tqdm import tqdm
 
-from minigdpo import checkpoint, config, dist, dynamic_sampling, lora, microbatch, models, policy, rollout
+from minigdpo import checkpoint, config, dist, dynamic_sampling, logprobs, lora, microbatch, models, policy, rollout
 from minigdpo.advantages import Condition, apply_conditions, distinct_per_group, per_reward_stats
 from minigdpo.estimators import ESTIMATORS, REGISTRY
 from minigdpo.data import DataError
@@ -117,7 +117,10 @@ def run_training(argv=None):
             sampler.load_weights(model.whole_weights(dtype))
             dist.print0(f"resumed from {last} at step {start}")
 
-    order = PromptOrder(len(task.examples), cfg.seed)
+    if model.refusal:
+        dist.print0(f"log-probs: the model's own forward on full sequences ({model.refusal}: the fast pass does not "
+                    "reproduce it); --padding-free does nothing; --micro-batch-tokens counts prompts per completion")
+    order, checked, unchecked = PromptOrder(len(task.examples), cfg.seed), {}, model.fast
     options = REGISTRY[cfg.estimator].options(cfg)  # the estimator's own flags (gd2po's mode and tau, SAW's shift)
     log = Logger(cfg.output_dir, sizes.total_steps, start, run, cfg.wandb)
 
@@ -150,7 +153,10 @@ def run_training(argv=None):
             # 5. Micro-batches (minigdpo/microbatch.py); the reference's log-probs (and the old policy's).
             with timed(seconds, "logprob"):
                 groups = list(zip(batch.prompts, batch.completions, adv))
-                layout = ("packed" if cfg.padding_free else "padded") if model.shares_prefix else None
+                if unchecked:  # every run checks its fast pass once, at its first update
+                    checked = check_fast_pass(model, ref, groups, cfg, tokenizer.pad_token_id, device, dtype, log)
+                    unchecked = False
+                layout = ("packed" if cfg.padding_free else "padded") if model.fast else None
                 batches = microbatch.cut(groups, cfg, tokenizer.pad_token_id, device, layout)
                 if ref is not None:
                     fill_logprobs(ref, batches, "ref_logp", cfg, reshard=True)
@@ -169,7 +175,8 @@ def run_training(argv=None):
                 sampler.load_weights(model.whole_weights(dtype))
 
         # 8. Log, and checkpoint when due. Rewards and lengths describe every completion sampled this step.
-        m = reward_metrics(batch.sampled_rewards, names, batch.failures) | batch.stats
+        m = reward_metrics(batch.sampled_rewards, names, batch.failures) | batch.stats | checked
+        checked = {}
         if not cfg.dynamic_sampling:  # what dynamic sampling would have dropped, logged without it too
             m["sampling/uninformative_frac"] = 1 - dynamic_sampling.informative(
                 batch.rewards, names, conditions, weights, cfg).float().mean().item()
@@ -218,11 +225,28 @@ def run_training(argv=None):
     sampler.close()  # a vLLM engine shuts down while the process group it joined is still up
 
 
+def check_fast_pass(model, ref, groups, cfg, pad_id, device, dtype, log):
+    """The fast pass against the model's own forward on the 4 longest completions of this rank's first group (the
+    longest: where a window binds); beyond rounding, the policy and its reference run their own forward for good."""
+    prompt, comps, adv = groups[0]
+    rows = sorted(range(len(comps)), key=lambda j: -len(comps[j].token_ids))[:4]
+    mb = microbatch.build([(prompt, [comps[j] for j in rows], adv[rows])], pad_id, device,
+                          "packed" if cfg.padding_free else "padded")
+    bound = logprobs.FAST_PASS_BOUND[dtype]
+    worst = logprobs.check_fast_pass(model, mb, cfg.temperature, bound)
+    if not model.fast:
+        if ref is not None:
+            ref.fast = False
+        log.write(f"warning: the fast log-prob pass differs from the model's own forward by {worst:.3g} (> {bound:g},"
+                  " rounding): the policy and its reference run their own forward from now on", error=True)
+    return {"logprobs/fast_pass_max_diff": worst}
+
+
 def throughput(batches, model, cfg, flops_per_token, attention_flops, seconds):
     """The update's work, every rank's: real tokens (each prompt once where the model shares it, every completion
     token) and the positions computed, padding included, whose difference is throughput/padding_frac; TFLOP/s
     on the real tokens only, with attention's 12 x layers x hidden per causal (query, key) pair."""
-    shared = model.shares_prefix
+    shared = model.fast
     real, computed, pairs = dist.all_reduce(torch.tensor([[mb.real_tokens(shared), mb.model_tokens(), mb.pairs]
                                                           for mb in batches], dtype=torch.float64).sum(0)).tolist()
     passes, secs = cfg.num_iterations, max(seconds["update"], 1e-9)

@@ -214,7 +214,7 @@ def prefix_gradients_match(path, device, mb, args):
     grads = []
     for share in (True, False):
         model.zero_grad(set_to_none=True)
-        model.shares_prefix = share  # False: one full sequence per completion (LogProbModel.forward)
+        model.fast = share  # False: the model's own forward on one full sequence per completion (LogProbModel.forward)
         logp = model(mb, 1.0, args.chunk, False)                                       # (n, T)
         (logp * mb.adv[:, None]).sum().backward()
         grads.append([p.grad.to_local().clone() for p in model.parameters()])

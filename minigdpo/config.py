@@ -159,8 +159,9 @@ class Config:
     grad_checkpointing: bool = False
     """Recompute activations in the backward pass to save memory."""
     padding_free: bool = True
-    """Pack a micro-batch's prompts (once) and completions into one row, no padding, for all but attention
-    (minigdpo/logprobs.py); Llama, Mistral, Qwen2/3. throughput/padding_frac shows the padding left."""
+    """Pack a micro-batch's prompts (once) and completions into one row, no padding, for all but attention, in the
+    models the fast pass accepts (Llama, Mistral, Qwen2/3, Phi-3, OLMo-2, sliding windows included; others run their
+    own forward: docs/performance.md, "Which models"). throughput/padding_frac shows the padding left."""
     ref_offload: bool = False
     """Keep the frozen reference model's shards in CPU memory."""
     sharding: str = "auto"
@@ -199,9 +200,8 @@ PRESETS = {
     # Offline, 2 CPU cores, about 7 minutes: SmolLM2-135M learns arithmetic, then meets its base model on 64 problems.
     "cpu-demo": dict(model="HuggingFaceTB/SmolLM2-135M-Instruct", task="arith", group_size=8, batch_size=32,
                      lr=2e-5, warmup_ratio=0.0, lr_schedule="constant", max_prompt_len=256, max_new_tokens=48,
-                     max_steps=12,
-                     temperature=0.7, arith_difficulty=1, save_every=0, samples_every=4, output_dir="runs/cpu-demo",
-                     sampler="hf", final_eval=64),
+                     max_steps=12, temperature=0.7, arith_difficulty=1, save_every=0, samples_every=4,
+                     output_dir="runs/cpu-demo", sampler="hf", final_eval=64),
     # A tiny random model for tests and smoke runs.
     "smoke": dict(model="tiny-random", task="arith", group_size=4, batch_size=8, micro_batch_size=4, lr=1e-3,
                   max_prompt_len=64, max_new_tokens=8, max_steps=2, save_every=1, samples_every=1,

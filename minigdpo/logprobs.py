@@ -16,6 +16,12 @@ computes exactly the same numbers, and is the test oracle's subject, with three 
   the projections, norms and MLP, and only attention sees them in padded rows (--padding-free false keeps
   the padding in the row, which computes the same numbers at its cost).
 
+The fast pass reproduces a model's forward only where `fast_pass_refusal` says it does (Llama, Mistral, Qwen2,
+Qwen3; full attention or sliding windows, as banded masks; SDPA or eager kernels). Every other model runs
+naive_logprobs itself, its own forward with its own head, and the run says so once. Each run also checks itself
+(`check_fast_pass`): on its first micro-batch, the fast pass against the model's own forward, and a difference
+beyond rounding sends it to its own forward for good: a model nobody tested is safe by construction.
+
 `LogProbModel` wraps the Hugging Face model and is the FSDP2 root (dist.shard), so the embedding
 and the head are gathered by the root's own hooks; `whole_weights` streams its weights out, whole, under
 their Hugging Face names (for the sampler and the exports).
@@ -28,21 +34,26 @@ from torch.utils.checkpoint import checkpoint
 from transformers import AttentionInterface
 
 from minigdpo import dist
+from minigdpo.models import layer_windows
 from minigdpo.sampler import tied_names
 
-PREFIX_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")  # whose forward the shared-prefix pass reproduces
-PREFIX_ATTENTION = ("sdpa", "eager")
 
-
-def naive_logprobs(lm, prompt_ids, prompt_mask, repeats, completion_ids, completion_mask, temperature=1.0):
-    """The textbook formula on full sequences: log_softmax(logits / temperature).gather(next token), (n, T)."""
+def naive_logprobs(lm, prompt_ids, prompt_mask, repeats, completion_ids, completion_mask, temperature=1.0,
+                   entropy=False):
+    """The textbook formula on full sequences: log_softmax(logits / temperature).gather(next token), (n, T); with
+    entropy=True also each token's entropy (n, T), without gradient. The model's own forward, head included."""
     index = torch.repeat_interleave(torch.arange(len(repeats), device=prompt_ids.device), repeats)  # (n,)
+    T = completion_ids.shape[1]
     ids = torch.cat([prompt_ids[index], completion_ids], 1)                # (n, P+T)
     attn = torch.cat([prompt_mask[index], torch.ones_like(completion_ids)], 1)  # (n, P+T)
     logits = lm(input_ids=ids, attention_mask=attn, position_ids=(attn.cumsum(-1) - 1).clamp(min=0),
-                use_cache=False).logits[:, -completion_ids.shape[1] - 1:-1].float()  # (n, T, V)
-    logp = torch.log_softmax(logits / temperature, dim=-1).gather(-1, completion_ids[..., None]).squeeze(-1)  # (n, T)
-    return logp * completion_mask
+                use_cache=False, logits_to_keep=T + 1).logits[:, :-1].float()  # (n, T, V)
+    logp_all = torch.log_softmax(logits / temperature, dim=-1)              # (n, T, V)
+    logp = logp_all.gather(-1, completion_ids[..., None]).squeeze(-1) * completion_mask  # (n, T)
+    if not entropy:
+        return logp
+    with torch.no_grad():
+        return logp, -(logp_all.exp() * logp_all).sum(-1) * completion_mask  # (n, T)
 
 
 # The head, chunk by chunk ----------------------------------------------------------------------
@@ -123,15 +134,29 @@ def chunked_logprobs(hidden, weight, targets, temperature=1.0, chunk=1024, entro
     return logp, (ent if entropy else None)
 
 
-# The shared-prefix pass ------------------------------------------------------------------------
+# What the fast pass accepts -------------------------------------------------------------------------
 
-def shares_prefix(lm):
-    """Whether the shared-prefix pass reproduces lm's own forward: a known model type, no sliding-window
-    layers, and an attention kernel that takes a 4-D mask (sdpa, eager). Other models run full sequences."""
+# Forward: embed, rotary embeddings, decoder layers, norm and a plain head (tests/test_architectures.py)
+FAST_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "olmo2")
+FAST_ATTENTION = ("sdpa", "eager")  # the model's own kernel: one SDPA reproduces it
+FAST_PASS_BOUND = {torch.float32: 1e-4, torch.bfloat16: 1.0}  # beyond rounding (benchmarks/fast_pass_check.py)
+
+
+def fast_pass_refusal(lm):
+    """Why the fast pass (shared prefix, packed row, chunked head) would not reproduce lm's own forward, or "" where
+    it does: the one rule. It accepts the model types of FAST_MODEL_TYPES, with a kernel of FAST_ATTENTION, and
+    layers that attend fully or through a sliding window of any of the forms models.layer_windows reads (a banded
+    mask here). Every other model runs its own forward, head included, on one full sequence per completion."""
     config = lm.config
-    return (config.model_type in PREFIX_MODEL_TYPES
-            and all(t == "full_attention" for t in getattr(config, "layer_types", None) or ["full_attention"])
-            and getattr(config, "_attn_implementation", None) in PREFIX_ATTENTION)
+    if config.model_type not in FAST_MODEL_TYPES:
+        return f"model type {config.model_type!r} is not one of {', '.join(FAST_MODEL_TYPES)}"
+    if getattr(config, "_attn_implementation", None) not in FAST_ATTENTION:
+        return f"attention kernel {config._attn_implementation!r} is not one of {', '.join(FAST_ATTENTION)}"
+    try:
+        layer_windows(config)
+    except ValueError as e:
+        return str(e)
+    return ""
 
 
 # The packed pass -------------------------------------------------------------------------------
@@ -139,35 +164,34 @@ def shares_prefix(lm):
 PACKED = "minigdpo_packed"  # the attention implementation the packed pass swaps in, layer by layer
 
 
-def packed_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
+def packed_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, sliding_window=None,
+                     **kwargs):
     """Attention over a packed row, as transformers calls an attention function: query (1, h, L, d), key and
-    value (1, kv, L, d), attention_mask a Packed layout. The projections, norms and MLP ran on the L packed tokens;
-    here they are copied into padded rows (prompts (b, P); completions (N, T), their prompt's keys in front), SDPA
-    runs on those with the shared-prefix pass's masks, and the outputs are read back into the packed row.
-    Copies in and reads out are index_copy and index_select, whose backwards are a gather and an index_add over
-    distinct rows: an indexing that sent every padding slot to one row would accumulate their gradients into it
-    one atomic add at a time on a GPU."""
-    pk, h, d, kv = attention_mask, query.shape[1], query.shape[-1], key.shape[1]
-    (b, _, P, _), (N, _, T, _) = pk.prompt_attn.shape, pk.tail_attn.shape
-    Lp = pk.prompt_tokens
+    value (1, kv, L, d), attention_mask a Packed layout with its biases. The projections, norms and MLP ran on the
+    L packed tokens; here q, k and v are copied, in one index_copy, into padded rows (prompts (b, P); completions
+    (N, T), their prompt's keys in front), SDPA runs on those with the layer's bias (its sliding window, if any),
+    and one index_select reads the outputs back into the packed row. Their backwards are a gather and an index_add
+    over distinct rows, and splits, not slices, part the rows: no whole-row buffer of zeros in the backward."""
+    pk, h, kv = attention_mask, query.shape[1], key.shape[1]
+    prompt_bias, tail_bias = pk.bias[sliding_window]
+    (b, _, P, _), (N, _, T, _) = prompt_bias.shape, tail_bias.shape
+    qkv = torch.cat([query, key, value], dim=1)[0].transpose(0, 1)        # (L, h + 2kv, d)
+    rows = qkv.new_zeros(b * P + N * T, *qkv.shape[1:]).index_copy(0, pk.dest, qkv)  # (b*P + N*T, h + 2kv, d)
+    rows_p, rows_t = rows.split([b * P, N * T])
+    (q_p, kv_p), (q_t, kv_t) = (x.view(n, w, *qkv.shape[1:]).split([h, 2 * kv], dim=2)
+                                for x, n, w in ((rows_p, b, P), (rows_t, N, T)))  # (n, w, h, d), (n, w, 2kv, d)
+    out_p = attend(q_p, kv_p, prompt_bias, dropout, scaling)                         # (b * P, h, d)
+    out_t = attend(q_t, torch.cat([kv_p.index_select(0, pk.owner), kv_t], dim=1), tail_bias, dropout, scaling)
+    return torch.cat([out_p, out_t]).index_select(0, pk.dest)[None], None  # (1, L, h, d)
 
-    def rows(x, part, dest, n, width):  # (1, heads, L, d) -> (n, width, heads, d): part's tokens at dest, else 0
-        flat = x[0, :, part].transpose(0, 1)                               # (tokens, heads, d)
-        return flat.new_zeros(n * width, x.shape[1], d).index_copy(0, dest, flat).view(n, width, x.shape[1], d)
 
-    def attend(q, k, v, mask):  # q (r, s, h, d); k, v (r, u, kv, d) -> (r * s, h, d)
-        k, v = (t.transpose(1, 2).repeat_interleave(h // kv, dim=1) for t in (k, v))  # (r, h, u, d)
-        out = F.scaled_dot_product_attention(q.transpose(1, 2), k, v, attn_mask=mask, dropout_p=dropout, scale=scaling)
-        return out.transpose(1, 2).reshape(-1, h, d)                       # (r * s, h, d)
-
-    prompts, tails = slice(0, Lp), slice(Lp, None)
-    k_p, v_p = (rows(t, prompts, pk.prompt_dest, b, P) for t in (key, value))               # (b, P, kv, d)
-    out_p = attend(rows(query, prompts, pk.prompt_dest, b, P), k_p, v_p, pk.prompt_attn)    # (b * P, h, d)
-    k_t, v_t = (torch.cat([mine.index_select(0, pk.owner), rows(t, tails, pk.tail_dest, N, T)], dim=1)
-                for mine, t in ((k_p, key), (v_p, value)))                                 # (N, P + T, kv, d)
-    out_t = attend(rows(query, tails, pk.tail_dest, N, T), k_t, v_t, pk.tail_attn)          # (N * T, h, d)
-    out = torch.cat([out_p.index_select(0, pk.prompt_dest), out_t.index_select(0, pk.tail_dest)])  # (L, h, d)
-    return out[None], None
+def attend(q, kv, bias, dropout, scaling):
+    """SDPA of q (r, s, h, d) over kv (r, u, 2 kv heads, d) with an additive bias (r, 1, s, u) -> (r * s, h, d)."""
+    (r, s, h, d), u = q.shape, kv.shape[1]
+    k, v = (t.transpose(1, 2)[:, :, None].expand(-1, -1, 2 * h // kv.shape[2], -1, -1).reshape(r, h, u, d)
+            for t in kv.chunk(2, dim=2))                                   # (r, h, u, d): grouped heads, one copy
+    out = F.scaled_dot_product_attention(q.transpose(1, 2), k, v, attn_mask=bias, dropout_p=dropout, scale=scaling)
+    return out.transpose(1, 2).reshape(r * s, h, d)                        # (r * s, h, d)
 
 
 AttentionInterface.register(PACKED, packed_attention)
@@ -189,10 +213,12 @@ def layer_packed(layer, hidden, packed, position_embeddings):
 
 def packed_hidden_states(lm, packed):
     """Final hidden states before each completion token, (K, H), from the packed row: the model's own layers
-    (embed, rotary embeddings at each token's own position, decoder layers, final norm) on L tokens."""
+    (embed, rotary embeddings at each token's own position, decoder layers, final norm) on L tokens. The attention
+    biases are made here, once per pass and window, and live as long as the pass needs them (its backward)."""
     base = lm.base_model
     hidden = base.embed_tokens(packed.ids)                                 # (1, L, H)
     position_embeddings = base.rotary_emb(hidden, packed.positions)
+    packed = packed.attending(hidden.dtype, set(layer_windows(lm.config)))
     recompute = lm.is_gradient_checkpointing and lm.training and torch.is_grad_enabled()
     for layer in base.layers:
         if recompute:
@@ -214,25 +240,29 @@ def decoder_layers(lm):
 
 
 class LogProbModel(nn.Module):
-    """forward(micro-batch) -> per-token log-probs (N, T) of its completion tokens: exactly naive_logprobs, and its
-    gradients, at 1/G of the prompt's cost and without (N, T, V) logits; with a packed layout, without padding."""
+    """forward(micro-batch) -> per-token log-probs (N, T) of its completion tokens. With the fast pass (`fast`):
+    exactly naive_logprobs, and its gradients, at 1/G of the prompt's cost and without (N, T, V) logits; with a
+    packed layout, without padding. Otherwise (fast_pass_refusal, or check_fast_pass) naive_logprobs itself."""
 
     def __init__(self, lm):
         super().__init__()
         self.lm = lm
-        self.shares_prefix = shares_prefix(lm)  # also: it can pack (the same forward, laid out otherwise)
+        self.refusal = fast_pass_refusal(lm)  # "" where the fast pass reproduces lm's own forward
+        self.fast = not self.refusal
         self.lora = False  # policy.build sets it when peft's adapters are in lm: whole_weights then merges them
-        if self.shares_prefix:
+        if self.fast:
             for layer in decoder_layers(lm):
                 layer.layer_packed = layer_packed.__get__(layer)
 
     def forward(self, mb, temperature=1.0, chunk=1024, entropy=False):
         """mb: a MicroBatch (minigdpo/microbatch.py). Returns (N, T) log-probs, and entropies with entropy=True."""
-        if self.shares_prefix and mb.packed is not None:
-            hidden = packed_hidden_states(self.lm, mb.packed)                   # (K, H)
-        else:  # one full sequence per completion
-            hidden = self.full_sequences(mb)                                    # (N, T, H)
-            hidden = hidden.reshape(-1, hidden.shape[-1])[mb.out_index]         # (K, H)
+        if not self.fast or mb.packed is None:  # the model's own forward, head included, on full sequences
+            T = mb.completion_ids.shape[1]
+            valid = torch.zeros(mb.completion_ids.numel(), device=mb.out_index.device).index_fill_(
+                0, mb.out_index, 1.0).view(-1, T)                                # (N, T) the completion tokens
+            return naive_logprobs(self.lm, mb.prompt_ids, mb.prompt_mask, mb.repeats, mb.completion_ids, valid,
+                                  temperature, entropy)
+        hidden = packed_hidden_states(self.lm, mb.packed)                       # (K, H)
         weight = self.lm.get_output_embeddings().weight                         # (V, H)
         lp, ent = chunked_logprobs(hidden, weight, mb.targets, temperature, chunk, entropy)  # (K,)
         T = mb.completion_ids.shape[1]
@@ -241,14 +271,6 @@ class LogProbModel(nn.Module):
         if not entropy:
             return out
         return out, ent.new_zeros(mb.completion_ids.shape).index_put(where, ent)
-
-    def full_sequences(self, mb):
-        index = torch.repeat_interleave(torch.arange(len(mb.repeats), device=mb.repeats.device), mb.repeats)  # (N,)
-        T = mb.completion_ids.shape[1]
-        ids = torch.cat([mb.prompt_ids[index], mb.completion_ids], 1)                           # (N, P+T)
-        attn = torch.cat([mb.prompt_mask[index], torch.ones_like(mb.completion_ids)], 1)        # (N, P+T)
-        return self.lm.base_model(input_ids=ids, attention_mask=attn, position_ids=(attn.cumsum(-1) - 1).clamp(min=0),
-                                  use_cache=False).last_hidden_state[:, -T - 1:-1]              # (N, T, H)
 
     def whole_weights(self, dtype=None, main_only=False):
         """Yield (Hugging Face name, whole tensor) one parameter at a time, in `dtype` when given.
@@ -272,3 +294,17 @@ class LogProbModel(nn.Module):
     def tied_names(self):
         """Names that share storage with an earlier name, e.g. lm_head.weight -> model.embed_tokens.weight."""
         return tied_names(self.lm)
+
+
+@torch.no_grad()
+def check_fast_pass(model, mb, temperature, bound):
+    """The run checks itself once: the largest |fast pass - the model's own forward| over a micro-batch's tokens,
+    the largest of every rank's. Beyond `bound` (FAST_PASS_BOUND: rounding), the model falls back to its own
+    forward for good. Every rank must call it (both passes are collectives under FSDP2)."""
+    fast = model(mb, temperature)                                           # (N, T)
+    model.fast = False
+    own = model(mb, temperature)                                            # (N, T)
+    dist.reshard(model)  # no backward follows: free what the root keeps gathered for one
+    worst = dist.all_reduce(torch.as_tensor([(fast - own).abs().max().item()], dtype=torch.float64), op="max").item()
+    model.fast = worst <= bound
+    return worst

@@ -18,7 +18,7 @@ Two ways to cut a step's groups (`cut`):
 """
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import Optional
 
 import torch
@@ -30,16 +30,33 @@ from minigdpo.sampler import Completion, left_pad
 @dataclass
 class Packed:
     """A micro-batch as one row of L tokens, prompts first, and where attention finds them: padded rows, as the
-    shared-prefix pass computes attention (a packed row would make it quadratic in L, docs/performance.md)."""
+    shared-prefix pass computes attention (a packed row would make it quadratic in L, docs/performance.md). Only
+    vectors: the attention biases are made when a pass runs (`attending`), so a step's masks never all exist."""
     ids: torch.Tensor          # (1, L) the prompts' tokens, then the completions'
     positions: torch.Tensor    # (1, L) each token's position in its own sequence
-    prompt_tokens: int         # the first prompt_tokens of the row are the prompts'
-    prompt_dest: torch.Tensor  # (L_p,) each prompt token's place among the prompts' padded rows, flat (b * P)
-    tail_dest: torch.Tensor    # (K,) each completion token's place among the completions' padded rows, flat (N * T)
+    dest: torch.Tensor         # (L,) each token's place among attention's rows, flat: b * P prompt rows, then N * T
     owner: torch.Tensor        # (N,) each completion's prompt
-    prompt_attn: torch.Tensor  # (b, 1, P, P) True = attend
-    tail_attn: torch.Tensor    # (N, 1, T, P + T)
+    prompt_pos: torch.Tensor   # (b, P) the position of each prompt column, -1 on padding
+    tail_pos: torch.Tensor     # (N, T) the position of each completion column
     before: torch.Tensor       # (K,) packed index of the hidden state that predicts each completion token
+    bias: dict = field(default_factory=dict)  # {window: (prompts (b, 1, P, P), completions (N, 1, T, P + T))}
+
+    def attending(self, dtype, windows):
+        """This layout with the additive attention biases for each sliding window in `windows` (None: full
+        attention), in `dtype`: 0 where a query attends to a key, the dtype's lowest value elsewhere. A window keeps
+        the keys less than `window` positions back, as transformers' sliding_window_overlay does."""
+        pp, tp = self.prompt_pos, self.tail_pos                            # (b, P), (N, T)
+        own = pp[self.owner]                                               # (N, P)
+        bias = {}
+        for w in windows:
+            near = lambda q, k: q - k < (w or math.inf)  # noqa: E731
+            prompt = (pp[:, None, :] >= 0) & (pp[:, None, :] <= pp[:, :, None]) & near(pp[:, :, None], pp[:, None, :])
+            prompt |= torch.eye(pp.shape[1], dtype=torch.bool, device=pp.device)  # a padding query sees itself
+            tail = torch.cat([(own[:, None, :] >= 0) & near(tp[:, :, None], own[:, None, :]),          # (N, T, P)
+                              (tp[:, None, :] <= tp[:, :, None]) & near(tp[:, :, None], tp[:, None, :])], 2)
+            bias[w] = tuple(torch.zeros(m.shape, dtype=dtype, device=m.device).masked_fill_(~m, torch.finfo(dtype).min)
+                            [:, None] for m in (prompt, tail))             # (b, 1, P, P), (N, 1, T, P + T)
+        return replace(self, bias=bias)
 
 
 @dataclass
@@ -110,22 +127,6 @@ def attention_pairs(prompt_lengths, completion_lengths, repeats):
             + sum(c * prompt_lengths[i] + c * (c + 1) // 2 for c, i in zip(completion_lengths, owner)))
 
 
-def masks(prompt_mask, owner, T):
-    """The attention masks, True = attend: prompts (b, 1, P, P) and completions (N, 1, T, P + T).
-
-    Prompts are left-padded: a real token attends to the real tokens up to itself. A padding query attends to
-    itself alone, so that no row is fully masked (a NaN under softmax); its output is never read. Completions
-    attend to their prompt's real tokens (owner (N,): each one's prompt) and causally to themselves."""
-    P, device = prompt_mask.shape[1], prompt_mask.device
-    keep = prompt_mask.bool()                                              # (b, P)
-    causal_p = torch.ones(P, P, dtype=torch.bool, device=device).tril()   # (P, P)
-    prompt = (causal_p & keep[:, None, :]) | torch.eye(P, dtype=torch.bool, device=device)  # (b, P, P)
-    causal_t = torch.ones(T, T, dtype=torch.bool, device=device).tril()   # (T, T)
-    tail = torch.cat([keep[owner, None, :].expand(-1, T, -1),              # (N, T, P)
-                      causal_t.expand(len(owner), -1, -1)], dim=2)         # (N, T, P + T)
-    return prompt[:, None], tail[:, None]
-
-
 def packed_layout(prompts, comps, repeats, P, T, device, pad_id=None):
     """The Packed layout of prompts (b lists of ids, left-padded to P in attention's rows) and comps (N Completions,
     repeats[i] of them per prompt, right-padded to T). With pad_id the row holds the padding too, every prompt P
@@ -138,18 +139,17 @@ def packed_layout(prompts, comps, repeats, P, T, device, pad_id=None):
     positions = [max(0, k - n) for r, n in zip(rows_p, lead) for k in range(len(r))]
     positions += [len(prompts[i]) + t for r, i in zip(rows_t, owner) for t in range(len(r))]
     starts_p = [sum(len(r) for r in rows_p[:i]) for i in range(len(rows_p))]
-    prompt_tokens = sum(len(r) for r in rows_p)
-    prompt_dest = [i * P + P - len(r) + k for i, r in enumerate(rows_p) for k in range(len(r))]
-    tail_dest = [j * T + t for j, r in enumerate(rows_t) for t in range(len(r))]
-    before, at = [], prompt_tokens  # a first token is predicted from its prompt's last, the others from the one before
-    for r, c, i in zip(rows_t, comps, owner):
-        before += [starts_p[i] + len(rows_p[i]) - 1] + list(range(at, at + len(c.token_ids) - 1))
+    dest = [i * P + P - len(r) + k for i, r in enumerate(rows_p) for k in range(len(r))]
+    dest += [len(prompts) * P + j * T + t for j, r in enumerate(rows_t) for t in range(len(r))]
+    before, at = [], starts_p[-1] + len(rows_p[-1])  # a first token is predicted from its prompt's last, the others
+    for r, c, i in zip(rows_t, comps, owner):       # from the one before; a completion of no tokens predicts none
+        before += ([starts_p[i] + len(rows_p[i]) - 1] + list(range(at, at + len(c.token_ids) - 1)))[:len(c.token_ids)]
         at += len(r)
     as_t = lambda x: torch.tensor(x, dtype=torch.long, device=device)  # noqa: E731
-    prompt_mask = torch.tensor([[0] * (P - len(p)) + [1] * len(p) for p in prompts], device=device)  # (b, P)
-    prompt_attn, tail_attn = masks(prompt_mask, as_t(owner), T)
-    return Packed(as_t(ids)[None], as_t(positions)[None], prompt_tokens, as_t(prompt_dest), as_t(tail_dest),
-                  as_t(owner), prompt_attn, tail_attn, as_t(before))
+    prompt_pos = [[-1] * (P - len(p)) + list(range(len(p))) for p in prompts]
+    tail_pos = [[len(prompts[i]) + t for t in range(T)] for i in owner]
+    return Packed(as_t(ids)[None], as_t(positions)[None], as_t(dest), as_t(owner), as_t(prompt_pos), as_t(tail_pos),
+                  as_t(before))
 
 
 # Cutting a step's groups ---------------------------------------------------------------------------
@@ -160,7 +160,7 @@ def cut(groups, cfg, pad_id, device, layout):
     cfg.micro_batch_tokens is set (every rank must call it: the groups move between ranks), else by count.
     layout: "packed", "padded", or None for a model whose forward the packed pass does not reproduce."""
     budget, size = cfg.micro_batch_tokens, cfg.micro_batch_size
-    parts = by_tokens(groups, budget) if budget else by_count(groups, size)
+    parts = by_tokens(groups, budget, shared=layout is not None) if budget else by_count(groups, size)
     return [build(part, pad_id, device, layout) for part in parts]
 
 
@@ -181,11 +181,14 @@ def by_count(groups, size):
 _warned = set()
 
 
-def by_tokens(groups, budget):
+def by_tokens(groups, budget, shared=True):
     """Every rank's groups, [(prompt, completions, adv (G,))] each, in micro-batches of at most `budget` tokens,
-    dealt to the ranks: returns this rank's micro-batches, as many on every rank (empty ones where needed)."""
+    dealt to the ranks: returns this rank's micro-batches, as many on every rank (empty ones where needed).
+    A group's tokens are what its pass computes: its prompt once (shared) or once per completion (a model's own
+    forward on full sequences), and its completions."""
     world, rank = dist.world_size(), dist.rank()
-    sizes = dist.all_gather_object([len(p) + sum(len(c.token_ids) for c in cs) for p, cs, _ in groups])
+    sizes = dist.all_gather_object([len(p) * (1 if shared else len(cs)) + sum(len(c.token_ids) for c in cs)
+                                    for p, cs, _ in groups])
     ids = sorted(((r, i) for r in range(world) for i in range(len(sizes[r]))), key=lambda g: (-sizes[g[0]][g[1]], g))
     bins, room = [], []
     for g in ids:  # first fit, longest first

@@ -119,6 +119,27 @@ def check_context(path, needed):
                           "tokens")
 
 
+def layer_windows(config):
+    """Each decoder layer's sliding window as the model's own attention applies it (None: full attention): by
+    config.layer_types where the config has them (Qwen2/3's max_window_layers, Gemma-2/3's alternating layers),
+    else config.sliding_window on every layer (Mistral, Phi-3). ValueError on any other kind of layer."""
+    window = getattr(config, "sliding_window", None)
+    types = getattr(config, "layer_types", None) or [
+        "sliding_attention" if window else "full_attention"] * config.num_hidden_layers
+    other = sorted(set(types) - {"full_attention", "sliding_attention"})
+    if other:
+        raise ValueError(f"layers of type {', '.join(other)}")
+    return [window if t == "sliding_attention" else None for t in types]
+
+
+def full_attention(config):
+    """Whether every layer attends to every earlier token: no sliding window, no other kind of layer."""
+    try:
+        return not any(layer_windows(config))
+    except ValueError:
+        return False
+
+
 def load_tokenizer(path):
     from transformers import AutoTokenizer
 

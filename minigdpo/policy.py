@@ -81,10 +81,13 @@ def build(path, device, compute_dtype, grad_checkpointing=False, frozen=False, o
 def fill(lm, device, read):
     """Allocate a sharded meta-device model and read this rank's shards into it (dist.materialize)."""
     dist.materialize(lm, device, read)
-    with torch.no_grad():  # buffers that no checkpoint stores (rotary tables): transformers computes them
-        for m in lm.modules():
+    with torch.no_grad():  # buffers that no checkpoint stores (rotary tables, Gemma's embedding scale): transformers
+        for m in lm.modules():  # computes them, and may draw the module's weights anew on the way: they are put back
             if m._non_persistent_buffers_set:
+                kept = [(p, p.detach().clone()) for p in m.parameters(recurse=False)]
                 lm._init_weights(m)
+                for p, value in kept:
+                    p.copy_(value)
 
 
 def build_classifier(path, config, device, dtype):

@@ -19,6 +19,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from minigdpo.models import full_attention
+
 
 @dataclass
 class SamplingParams:
@@ -135,6 +137,10 @@ class HFSampler:
     def __init__(self, model, stop_ids, pad_id, device, tokenizer=None):
         self.model = model.to(device).eval()
         self.model.config.use_cache = True
+        # A sliding window counts cache slots, padding included, and transformers keeps only the window's slots of
+        # such a layer: those models get no padding between the prompts' shared prefix and their own tokens, and
+        # the 2-D mask, which transformers fits to each layer's cache.
+        self.full_attention = full_attention(model.config)
         self.stop_ids = torch.tensor(sorted(stop_ids), device=device)
         self.pad_id = pad_id
         self.device = device
@@ -189,7 +195,7 @@ class HFSampler:
         """
         B = len(prompts)
         # every row keeps a token of its own
-        shared = min(common_prefix(prompts), min(len(p) for p in prompts) - 1) if B > 1 else 0
+        shared = min(common_prefix(prompts), min(len(p) for p in prompts) - 1) if B > 1 and self.full_attention else 0
         cache = None
         if shared > 0:
             out = self.model(input_ids=torch.tensor([prompts[0][:shared]], device=self.device), use_cache=True,
@@ -210,7 +216,7 @@ class HFSampler:
         it may drop it, a sync per token; a 4-D mask is used as it is. Other attention kernels take
         their own mask formats, so they get the 2-D one.
         """
-        if getattr(self.model.config, "_attn_implementation", None) != "sdpa":
+        if getattr(self.model.config, "_attn_implementation", None) != "sdpa" or not self.full_attention:
             return mask
         return mask[:, None, None, :].bool()                               # (N, 1, 1, L)
 

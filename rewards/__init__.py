@@ -259,6 +259,7 @@ class RewardScorer:
             examples = [{**ex, "completion_tokens": int(n)} for ex, n in zip(examples, completion_tokens)]
         out = torch.full((N, R), math.nan, dtype=torch.float64)    # (N, R)
         stats = {name: dict.fromkeys(self.KINDS, 0) for name in self.names}
+        reward_model.new_batch()
         with _alarm_handler() as can_time_out:
             for k, reward in enumerate(self.rewards):
                 t0 = time.perf_counter()

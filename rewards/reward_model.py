@@ -78,6 +78,14 @@ def get(spec):
     return _LOADED[spec]
 
 
+def new_batch():
+    """A scorer call begins: a batch is scored once for every spec of its model within one call, never reused by a
+    later call. Sharded, every rank must enter the forward's collectives at every call: a cache that outlived its
+    call would let a rank whose completions repeat its last batch skip them while the others wait."""
+    for model in _MODELS.values():
+        model._batch = (None, None)
+
+
 def forget(spec):
     """Drop a spec and its model from this process (tests, benchmarks): the next get() loads them again."""
     _LOADED.pop(spec, None)

@@ -29,6 +29,13 @@ def test_gpu_benchmark_reports_step_time_throughput_and_mfu():
     assert mfu > 0 and update > 0
 
 
+def test_the_fast_pass_check_tells_a_right_pass_from_a_wrong_one():
+    out = bench("fast_pass_check.py", "--model", "tiny-random")
+    rows = {tuple(line.split()[:2]): [float(x) for x in line.split()[2:6]] for line in out.splitlines()[1:5]}
+    assert max(rows["float32", "right"]) < 1e-5 and min(rows["float32", "wrong"]) > 1e-4
+    assert max(rows["bfloat16", "right"]) < 1.0
+
+
 def test_logprob_memory_benchmark_compares_chunked_with_naive():
     out = bench("logprob_memory.py", "--vocab", "5000", "--tokens", "256", "--batch", "2", "--chunk", "64", "--reps", "1")
     ratio = float(re.search(r"peak memory: ([\d.]+)%", out).group(1))

@@ -9,7 +9,7 @@ import os
 import pytest
 import torch
 
-from minigdpo import checkpoint, dist, logprobs, models, policy
+from minigdpo import checkpoint, dist, logprobs, microbatch, models, policy
 from minigdpo.sampler import Completion, HFSampler, SamplingParams, sample_next
 from minigdpo.microbatch import micro_batches
 from minigdpo.update import lr_lambda, optimizer, scheduler
@@ -54,12 +54,12 @@ def batches(seed=0, size=8, prompts=2, pack=False):
 
 
 def model_logprobs(model, mb, temperature=1.0, chunk=1024, entropy=False, share_prefix=True):
-    """LogProbModel's log-probs; share_prefix=False runs full sequences although the model could share."""
-    shares, model.shares_prefix = model.shares_prefix, model.shares_prefix and share_prefix
+    """LogProbModel's log-probs; share_prefix=False runs the model's own forward although the fast pass could run."""
+    fast, model.fast = model.fast, model.fast and share_prefix
     try:
         return model(mb, temperature, chunk, entropy)
     finally:
-        model.shares_prefix = shares
+        model.fast = fast
 
 
 def assert_same_values_and_gradients(lm, got, want):
@@ -85,50 +85,40 @@ def test_chunked_logprobs_equal_naive_values_and_gradients(tiny, chunk, share_pr
     assert_same_values_and_gradients(lm, got, want)
 
 
-@pytest.mark.parametrize("arch,attn", [("qwen2", "sdpa"), ("qwen3", "sdpa"), ("llama", "eager"), ("mistral", "sdpa")])
-def test_shared_prefix_pass_equals_full_sequences_for_each_supported_model_type(arch, attn):
+# Every model type and attention form the fast pass accepts (logprobs.fast_pass_refusal), windows shorter than
+# prompt + completion (batches() makes sequences of up to 17 tokens) included.
+ACCEPTED = [("llama", "eager", {}), ("mistral", "sdpa", dict(sliding_window=5)), ("qwen2", "sdpa", {}),
+            ("qwen2", "sdpa", dict(use_sliding_window=True, sliding_window=5, max_window_layers=1)), ("qwen3", "sdpa", {}),
+            ("phi3", "sdpa", dict(sliding_window=5, partial_rotary_factor=0.5)), ("olmo2", "sdpa", {})]
+
+
+def tiny_of(arch, attn="sdpa", **extra):
     from transformers import AutoConfig, AutoModelForCausalLM
 
     config = AutoConfig.for_model(arch, vocab_size=258, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
                                   num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=64,
-                                  tie_word_embeddings=arch != "mistral")
-    config._attn_implementation = attn
-    torch.manual_seed(0)
-    lm = AutoModelForCausalLM.from_config(config)
-    model = logprobs.LogProbModel(lm)
-    assert model.shares_prefix
-    (mb,) = batches(seed=7)
-    got = model_logprobs(model, mb, 0.8, 5)
-    want = naive_logprobs(lm, mb, 0.8)
-    assert_same_values_and_gradients(lm, got, want)
-
-
-def tiny_of(arch, attn):
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    config = AutoConfig.for_model(arch, vocab_size=258, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                                  num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=64,
-                                  tie_word_embeddings=arch != "mistral")
+                                  tie_word_embeddings=arch != "mistral", pad_token_id=0, eos_token_id=1, bos_token_id=2,
+                                  **extra)
     config._attn_implementation = attn
     torch.manual_seed(0)
     return AutoModelForCausalLM.from_config(config)
 
 
-@pytest.mark.parametrize("arch,attn", [("qwen2", "sdpa"), ("qwen3", "sdpa"), ("llama", "eager"), ("mistral", "sdpa")])
+@pytest.mark.parametrize("arch,attn,extra", ACCEPTED, ids=lambda x: str(x) if not isinstance(x, dict) else "")
+@pytest.mark.parametrize("layout", ["padded", "packed"])
 @pytest.mark.parametrize("size", [9, 4])
-def test_the_packed_pass_equals_the_textbook_values_and_gradients(arch, attn, size):
-    """Every prompt once and every completion token in one row, no padding: exactly naive_logprobs and its
-    gradients (fp32), for each model type the shared-prefix pass serves; size 4 splits groups across micro-batches."""
-    lm = tiny_of(arch, attn)
+def test_the_fast_pass_equals_the_textbook_values_and_gradients(arch, attn, extra, layout, size):
+    """Each prompt once, packed or in padded rows: exactly naive_logprobs and its gradients (fp32), for each model
+    type and attention form the fast pass accepts; size 4 splits groups across micro-batches."""
+    lm = tiny_of(arch, attn, **extra)
     model = logprobs.LogProbModel(lm)
-    packed = batches(seed=7, size=size, prompts=3, pack=True)
-    assert all(mb.packed is not None for mb in packed) and len(packed) == (1 if size == 9 else 3)
-    assert sum(mb.real_tokens() for mb in packed) < sum(mb.prompt_ids.numel() + mb.completion_ids.numel() for mb in packed)
-    for mb in packed:
-        assert mb.packed.ids.shape[1] == mb.real_tokens() <= mb.prompt_ids.numel() + mb.completion_ids.numel()
-        got = model(mb, 0.8, 5)
-        want = naive_logprobs(lm, mb, 0.8)
-        assert_same_values_and_gradients(lm, got, want)
+    assert model.fast, model.refusal
+    mbs = batches(seed=7, size=size, prompts=3, pack=layout == "packed")
+    assert all(mb.packed is not None for mb in mbs) and len(mbs) == (1 if size == 9 else 3)
+    for mb in mbs:
+        if layout == "packed":
+            assert mb.packed.ids.shape[1] == mb.real_tokens() <= mb.prompt_ids.numel() + mb.completion_ids.numel()
+        assert_same_values_and_gradients(lm, model(mb, 0.8, 5), naive_logprobs(lm, mb, 0.8))
         lm.zero_grad()
 
 
@@ -145,18 +135,72 @@ def test_the_packed_pass_under_checkpointing_and_its_entropy(tiny):
     assert_same_values_and_gradients(lm, got, want)
 
 
-def test_models_the_shared_prefix_pass_does_not_cover_run_full_sequences():
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    config = AutoConfig.for_model("qwen2", vocab_size=258, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                  num_attention_heads=2, num_key_value_heads=2, use_sliding_window=True,
-                                  sliding_window=4, max_window_layers=0)
-    lm = AutoModelForCausalLM.from_config(config)
-    assert "sliding_attention" in config.layer_types
+def test_a_model_the_fast_pass_refuses_runs_its_own_forward_head_included():
+    """Gemma-2 (a scaled embedding, soft-capped attention and logits): refused by rule, it runs naive_logprobs
+    itself, whose soft-capped head a plain hidden @ head would miss."""
+    lm = tiny_of("gemma2", sliding_window=5, final_logit_softcapping=0.5)
     model = logprobs.LogProbModel(lm)
-    assert not model.shares_prefix  # its own forward masks some layers to a window
-    (mb,) = batches(seed=7)
-    torch.testing.assert_close(model_logprobs(model, mb), naive_logprobs(lm, mb), atol=1e-5, rtol=0)
+    assert not model.fast and "gemma2" in model.refusal
+    (mb,) = batches(seed=7, pack=True)
+    got, ent = model(mb, 0.8, 5, entropy=True)
+    want, want_ent = logprobs.naive_logprobs(lm, mb.prompt_ids, mb.prompt_mask, mb.repeats, mb.completion_ids,
+                                             mb.mask, 0.8, entropy=True)
+    assert_same_values_and_gradients(lm, got, want)
+    torch.testing.assert_close(ent, want_ent, atol=1e-6, rtol=0)
+    lm.config.final_logit_softcapping = None  # the head a fast pass would have computed: far from the model's own
+    with torch.no_grad():
+        assert (naive_logprobs(lm, mb, 0.8) - want).abs().max() > 0.1
+
+
+def test_the_run_checks_itself_and_a_wrong_fast_pass_falls_back(monkeypatch, process_group):
+    """check_fast_pass catches a fast pass planted wrong (the sliding window dropped, as it once was) and sends the
+    model to its own forward; the right one passes at rounding."""
+    from minigdpo import microbatch
+
+    lm = tiny_of("mistral", sliding_window=4)
+    model = logprobs.LogProbModel(lm)
+    (mb,) = batches(seed=7, pack=True)
+    bound = logprobs.FAST_PASS_BOUND[torch.float32]
+    assert logprobs.check_fast_pass(model, mb, 0.8, bound) < 1e-5 and model.fast
+    attending = microbatch.Packed.attending
+    monkeypatch.setattr(microbatch.Packed, "attending",
+                        lambda self, dtype, windows: _windowless(attending(self, dtype, {None}), windows))
+    worst = logprobs.check_fast_pass(model, mb, 0.8, bound)
+    assert worst > 0.01 and not model.fast  # caught, and fallen back
+    torch.testing.assert_close(model(mb, 0.8), naive_logprobs(lm, mb, 0.8), atol=1e-6, rtol=0)
+
+
+def _windowless(packed, windows):
+    """A layout whose every window gets the full-attention bias: the pass computes as if no window existed."""
+    packed.bias = {w: packed.bias[None] for w in windows}
+    return packed
+
+
+def test_completions_of_no_tokens_build_in_both_layouts_and_change_no_loss():
+    """A completion of zero tokens: every layout builds, the other log-probs are unchanged, and the loss under a
+    token aggregation is the loss without it (a custom sampler or engine may return one)."""
+    from minigdpo.update import policy_loss
+
+    lm = tiny_of("qwen2")
+    model = logprobs.LogProbModel(lm)
+    ps, comps = random_batch(3, prompts=2)
+    empty = Completion([], [])
+    with_empty = [comps[:G] + [empty], comps[G:]]
+    for layout in ("packed", "padded", None):
+        def build(groups):  # each completion keeps its own advantage, with or without the empty one
+            parts = [(ps[g * G], cs, torch.tensor([len(c.token_ids) - 3.5 for c in cs])) for g, cs in enumerate(groups)]
+            return microbatch.build(parts, 257, torch.device("cpu"), layout)
+        mb, ref = build(with_empty), build([comps[:G], comps[G:]])
+        if layout is None:
+            model.fast = False
+        with torch.no_grad():
+            got, want = model(mb), model(ref)
+        keep = [i for i in range(len(mb.mask)) if i != G]  # the empty row is the G-th
+        torch.testing.assert_close(got[keep, :want.shape[1]], want, atol=1e-6, rtol=0)
+        assert got[G].abs().sum() == 0 and mb.mask[G].sum() == 0
+        for agg in ("micro_batch_token_mean", "token_mean"):
+            loss = lambda m, lp: policy_loss(lp, lp, lp, m.adv, m.mask, agg=agg)[0]  # noqa: E731
+            torch.testing.assert_close(loss(mb, got), loss(ref, want))
 
 
 def test_entropy_matches_the_full_distribution(tiny):
@@ -196,6 +240,23 @@ def test_sampler_logprobs_match_a_full_forward_and_stop_per_sequence(tiny):
             torch.testing.assert_close(torch.tensor(c.logprobs), want, atol=1e-4, rtol=0)
     again = sampler.generate(prompts, 3, SamplingParams(temperature=0.9, max_new_tokens=30, seed=5))
     assert [c.token_ids for g in again for c in g] == [c.token_ids for g in out for c in g]
+
+
+@pytest.mark.parametrize("arch,extra", [("mistral", dict(sliding_window=5)), ("gemma2", dict(sliding_window=5)),
+                                         ("qwen2", dict(use_sliding_window=True, sliding_window=5, max_window_layers=1))])
+def test_the_sampler_samples_sliding_window_models_with_their_own_log_probs(arch, extra):
+    """Prompts that share a prefix, of different lengths, and completions that run past a window of 5: each
+    completion's log-probs are those of the model's own forward on that sequence alone."""
+    lm = tiny_of(arch, **extra)
+    prompts = [[10, 11, 12, 13, 14, 15, 16], [10, 11, 12, 20], [10, 11, 30, 31, 32]]
+    sampler = HFSampler(lm, [1], 0, torch.device("cpu"))
+    out = sampler.generate(prompts, 2, SamplingParams(temperature=0.9, max_new_tokens=12, seed=3, ignore_eos=True))
+    for p, group in zip(prompts, out):
+        for c in group:
+            with torch.no_grad():
+                want = torch.log_softmax(lm(torch.tensor([p + c.token_ids])).logits[0, len(p) - 1:-1] / 0.9, -1)
+            want = want.gather(-1, torch.tensor(c.token_ids)[:, None]).squeeze(-1)
+            torch.testing.assert_close(torch.tensor(c.logprobs), want, atol=1e-5, rtol=0)
 
 
 def test_sampler_prefills_a_shared_prefix_once_with_the_same_completions(tiny):
@@ -442,7 +503,7 @@ def test_the_pass_composes_with_gradient_checkpointing(tiny, process_group, pack
     call is checkpointed as a whole, so it runs once more in the backward, and values and gradients stay the
     textbook ones."""
     model = policy.build(tiny[0], process_group, torch.float32, grad_checkpointing=True)
-    assert model.shares_prefix and model.lm.is_gradient_checkpointing
+    assert model.fast and model.lm.is_gradient_checkpointing
     calls = []
     for layer in logprobs.decoder_layers(model.lm):
         pair = layer.layer_packed

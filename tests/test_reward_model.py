@@ -292,9 +292,11 @@ def test_two_labels_of_one_model_share_its_weights_and_its_forward(rms, monkeypa
     assert a.model is b.model
     forwards = []
     monkeypatch.setattr(a.rm, "logits", lambda convs, f=a.rm.logits: forwards.append(len(convs)) or f(convs))
-    out, _ = RewardScorer([safe, unsafe])(["fine", "no"], [{"messages": MESSAGES[1]}] * 2)
-    assert forwards == [2] and torch.allclose(out[:, 0] + out[:, 1], out[:, 0] + out[:, 1])
-    assert (out[:, 0] != out[:, 1]).all()
+    scorer, examples = RewardScorer([safe, unsafe]), [{"messages": MESSAGES[1]}] * 2
+    out, _ = scorer(["fine", "no"], examples)
+    assert forwards == [2] and (out[:, 0] != out[:, 1]).all()
+    again, _ = scorer(["fine", "no"], examples)  # the same batch in a later call: a forward again (sharded, every
+    assert forwards == [2, 2] and torch.equal(again, out)  # rank enters it at every call, whatever its completions
     reward_model.forget(safe)
 
 
