@@ -16,8 +16,8 @@ rewards correct/integer/format, G=16, 512 completions per step, lr 5e-6 cosine w
 all deliberate: under GDPO a NaN reward is left out of its group's statistics instead of counting as 0
 (summed, as under GRPO, it adds 0, as in TRL: minigdpo/advantages.py); GSM8K answers
 with thousands separators equal the bare digits; on GPUs vLLM samples inside each rank (TRL's colocate
-mode). With LoRA (--lora-rank R) only adapters train; step 5's reference is the model with its
-adapters off, and step 7 pushes the merged weights (minigdpo/lora.py).
+mode). With LoRA (--lora-rank R) only adapters train; step 5's reference is the model with its adapters
+off, and step 7 pushes the adapters alone: the sampler applies them as the trainer does (minigdpo/lora.py).
 
 The update's throughput in metrics.jsonl counts real tokens only, never padding, and its TFLOP/s add attention's
 12 x layers x hidden per causal (query, key) pair to 6 x parameters per token (docs/outputs.md).
@@ -100,7 +100,7 @@ def run_training(argv=None):
     stop_ids = models.stop_token_ids(model.lm.config, model.lm.generation_config, tokenizer)
     sampler = make_sampler(cfg.sampler, path, device, tokenizer, stop_ids, dtype, seed=cfg.seed + dist.rank(),
                            gpu_memory_utilization=cfg.vllm_gpu_memory_utilization, kv_cache_gib=cfg.vllm_kv_cache_gib,
-                           max_model_len=cfg.max_prompt_len + cfg.max_new_tokens)
+                           max_model_len=cfg.max_prompt_len + cfg.max_new_tokens, lora=adapters)
     gap_warn = cfg.logp_gap_warn or (1e-3 if dtype == torch.float32 else 0.05)  # config.py's logp_gap_warn
     save_dtype = models.source_dtype(path)  # exports keep the checkpoint's dtype, not the fp32 master copy's
 
@@ -114,7 +114,7 @@ def run_training(argv=None):
         else:
             state = checkpoint.load(last, model, opt, sched)
             start, cursor = state["step"], state["cursor"]
-            sampler.load_weights(model.whole_weights(dtype))
+            sampler.load_weights(model.whole_weights(dtype, adapters=sampler.adapters))
             dist.print0(f"resumed from {last} at step {start}")
 
     if model.refusal:
@@ -172,7 +172,7 @@ def run_training(argv=None):
 
             # 7. The sampler gets the new weights, streamed one whole tensor at a time.
             with timed(seconds, "sync"):
-                sampler.load_weights(model.whole_weights(dtype))
+                sampler.load_weights(model.whole_weights(dtype, adapters=sampler.adapters))
 
         # 8. Log, and checkpoint when due. Rewards and lengths describe every completion sampled this step.
         m = reward_metrics(batch.sampled_rewards, names, batch.failures) | batch.stats | checked

@@ -19,7 +19,10 @@ What changes against full fine-tuning:
   no gradients); the adapters keep fp32 master weights and are computed in the compute dtype;
 - the frozen reference is the same model with every adapter switched off (`adapters_off`), so no
   second copy of the base weights is loaded;
-- the sampler gets merged weights, W + (alpha / R) B A, under the base model's own names (`merged_state`);
+- the sampler computes what the trainer computes: it holds the base weights once and applies the adapters,
+  which are all a sync sends (`adapter_weights`): the HF sampler carries peft's layers, vLLM its own LoRA
+  support (minigdpo/vllm_sampler.py). Merged weights, W + (alpha / R) B A under the base model's own names
+  (`merged_state`), go to exports; a bf16 merge would round every change under half a bf16 step back to W;
 - checkpoints hold the adapters in peft's format (`adapter/`), loadable with
   `PeftModel.from_pretrained(base, "adapter")`; the merged model goes to hf/ with --merge-on-save.
 
@@ -173,7 +176,7 @@ def merged_state(lm, dtype, skip, main_only=False):
     layers = dict(lora_layers(lm))
     state = lm.state_dict(keep_vars=True)
     for name, t in state.items():
-        if name in skip or f".lora_A.{ADAPTER}." in name or f".lora_B.{ADAPTER}." in name:
+        if name in skip or is_adapter(name):
             continue
         prefix, _, leaf = name.rpartition(".base_layer.")
         if prefix in layers and leaf == "weight":
@@ -191,13 +194,25 @@ def merged_state(lm, dtype, skip, main_only=False):
             yield name.replace(".base_layer.", "."), dist.full_tensor(t, main_only)
 
 
+def adapter_weights(lm, dtype=None):
+    """Yield (name, whole tensor) of every adapter, A and B, under lm's own names, in `dtype` when given: what a
+    sampler that applies the adapters itself receives at each sync (a few hundred MB at 7B, not the merged 15 GB).
+    Every rank must iterate to the end: each gather is a collective."""
+    for name, t in lm.state_dict(keep_vars=True).items():
+        if is_adapter(name):
+            yield name, dist.full_tensor(t.detach().to(dtype) if dtype is not None else t.detach())
+
+
+def is_adapter(name):
+    return f".lora_A.{ADAPTER}." in name or f".lora_B.{ADAPTER}." in name
+
+
 def adapter_state(lm):
     """{key: whole fp32 tensor} of the adapters, keyed as PeftModel.save_pretrained keys them.
     Every rank must call it: each gather is a collective."""
     from peft import get_peft_model_state_dict
 
-    state = {name: dist.full_tensor(t.detach()) for name, t in lm.state_dict(keep_vars=True).items()
-             if f".lora_A.{ADAPTER}." in name or f".lora_B.{ADAPTER}." in name}
+    state = {name: dist.full_tensor(t.detach()) for name, t in lm.state_dict(keep_vars=True).items() if is_adapter(name)}
     # PeftModel's own keys start with its wrappers' names (PeftModel.base_model -> LoraModel.model).
     return {"base_model.model." + k: v for k, v in get_peft_model_state_dict(lm, state, ADAPTER).items()}
 

@@ -1,7 +1,8 @@
 """Rollout samplers behind one small interface, and the Hugging Face backend.
 
     sampler.generate(prompt_token_ids, n, params) -> [[Completion] * n for each prompt]
-    sampler.load_weights(named_tensors)           # the trainer's new weights, by HF name
+    sampler.load_weights(named_tensors)           # the trainer's new weights, by HF name (with LoRA and
+                                                  # sampler.adapters: the adapters alone, by peft's names)
     sampler.sleep(); sampler.wake()               # free and restore accelerator memory
 
 A Completion holds the sampled token ids (ending with the stop token when one was drawn),
@@ -141,6 +142,10 @@ class HFSampler:
         # such a layer: those models get no padding between the prompts' shared prefix and their own tokens, and
         # the 2-D mask, which transformers fits to each layer's cache.
         self.full_attention = full_attention(model.config)
+        # With peft's LoRA layers in the model (make_sampler), a sync sends the adapters alone: the base weights
+        # stay those of the checkpoint, as the trainer's frozen base does.
+        self.adapters = hasattr(model, "peft_config")
+        self.expected = [n for n in weight_names(model) if not self.adapters or ".lora_" in n]
         self.stop_ids = torch.tensor(sorted(stop_ids), device=device)
         self.pad_id = pad_id
         self.device = device
@@ -245,7 +250,7 @@ class HFSampler:
         if self.offloaded:  # the rest (buffers) follows, and wake() has no whole-model copy left to make
             self.model.to(self.device)
             self.offloaded = False
-        check_sync(weight_names(self.model), sent)
+        check_sync(self.expected, sent)
 
     def sleep(self):
         """Move the inference copy off the accelerator while the trainer needs the memory."""

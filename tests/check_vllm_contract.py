@@ -31,7 +31,7 @@ import zipfile
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SAMPLER = os.path.join(ROOT, "minigdpo", "vllm_sampler.py")
 FAKE = os.path.join(ROOT, "tests", "fake_vllm.py")
-FAKE_ONLY = {"write", "_sample", "_shutdown"}  # test hooks of the fake engine, not vLLM methods
+FAKE_ONLY = {"write", "_sample", "_shutdown", "_load_adapter"}  # test hooks of the fake engine, not vLLM methods
 
 # Where each link of the in-process chains is assigned (self.<attr> = ...), in vLLM 0.33.0's and 0.32.0's layout.
 CHAIN = {
@@ -188,10 +188,19 @@ def check_sampler(w, rep):
     platform = w.cls("platforms/interface.py", "Platform")
     for name in ("is_sleep_mode_available", "is_cpu"):
         rep.check(method(platform, name) is not None, f"current_platform.{name}() (platforms/interface.py)")
-    for k in ("enforce_eager", "kv_cache_memory_bytes"):  # passed through **options
+    for k in ("enforce_eager", "kv_cache_memory_bytes", "enable_lora", "max_loras", "max_lora_rank"):  # **options
         rep.check(k in llm_init and k in src, f"vllm.LLM(..., {k}=) in EngineArgs")
+    lora = fields(w.cls("lora/request.py", "LoRARequest"))
+    for f in ("lora_name", "lora_int_id", "lora_path"):
+        rep.check(f in lora, f"vllm.lora.request.LoRARequest.{f}")
+    rep.check(f"{max(const_of('LORA_RANKS'))}]" in w.text("config/lora.py") and "MaxLoRARanks = Literal[" +
+              ", ".join(map(str, const_of("LORA_RANKS"))) + "]" in w.text("config/lora.py"), "LORA_RANKS == MaxLoRARanks")
     rep.check(bool(re.search(r'os\.environ\["RANK"\].*\n.*os\.environ\["LOCAL_RANK"\]', w.text("v1/executor/uniproc_executor.py"))),
               "ExecutorWithExternalLauncher reads RANK and LOCAL_RANK")
+
+
+def const_of(name):
+    return constants(SAMPLER)[name]
 
 
 def check_fake(w, rep):
@@ -221,6 +230,9 @@ def check_fake(w, rep):
         rep.check(real_m is not None, f"fake LLM.{m.name}()")
         for p in sorted(params(m)):
             rep.check(real_m is not None and p in params(real_m), f"fake LLM.{m.name}({p}=)")
+    real = fields(w.cls("lora/request.py", "LoRARequest"))
+    for f in sorted(fields(fcls["LoRARequest"])):
+        rep.check(f in real, f"fake LoRARequest.{f}")
     rep.check(any(isinstance(n, ast.FunctionDef) and n.name == "set_random_seed" for n in w.tree("utils/torch_utils.py").body),
               "set_random_seed (utils/torch_utils.py), which the fake mimics")
 

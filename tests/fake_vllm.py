@@ -55,6 +55,10 @@ Behaviours:
   (sampling_params.py:662-673) with VLLMValidationError, which is not a ValueError (exceptions.py:10-28);
 - the EOS ids of the model's generation_config.json, other than the tokenizer's, join each request's stop
   ids unless ignore_eos (v1/engine/input_processor.py:489-492, sampling_params.py:775-803);
+- LoRA: an adapter is loaded from its folder (adapter_config.json with r, lora_alpha and target_modules, and
+  adapter_model.safetensors; lora/peft_helper.py:156-198, lora/lora_model.py:239-241) when its id is not in the
+  worker's LRU cache of max_loras adapters, and a cached id is served from the cache whatever its path holds now
+  (lora/worker_manager.py:296-297): this one refuses an id reused with a new path, which would serve stale adapters;
 - a prompt of max_model_len tokens or more is refused (v1/engine/input_processor.py:574-602), and a completion
   ends with finish_reason "length" once prompt + completion reach max_model_len (v1/core/sched/utils.py:114-118).
 `install(monkeypatch)` puts it in sys.modules as `vllm` and `vllm.inputs`.
@@ -224,7 +228,19 @@ class FakeModel:
 
 
 ENGINE_ARGS = ("max_model_len", "max_num_seqs", "enable_sleep_mode", "enable_prefix_caching",
-               "distributed_executor_backend", "logprobs_mode", "enforce_eager", "kv_cache_memory_bytes")  # EngineArgs fields passed through **kwargs
+               "distributed_executor_backend", "logprobs_mode", "enforce_eager", "kv_cache_memory_bytes",
+               "enable_lora", "max_loras", "max_lora_rank")  # EngineArgs fields passed through **kwargs
+
+
+@dataclass
+class LoRARequest:  # lora/request.py:24-42
+    lora_name: str
+    lora_int_id: int
+    lora_path: str = ""
+
+    def __post_init__(self):
+        assert self.lora_int_id >= 1, "id must be > 0"                                          # request.py:38-39
+        assert self.lora_path, "lora_path cannot be empty"                                        # request.py:42
 
 
 class LLM:
@@ -281,8 +297,10 @@ class LLM:
         assert param[rows].shape == tensor.shape, (name, param[rows].shape, tensor.shape)
         param[rows] = tensor.detach().float().cpu()
 
-    def generate(self, prompts, sampling_params=None, *, use_tqdm=True):
+    def generate(self, prompts, sampling_params=None, *, use_tqdm=True, lora_request=None):
         assert not self.sleeping_tags, "the scheduler stays paused until every tag is awake: generate would hang"
+        if lora_request is not None:
+            self._load_adapter(lora_request)
         stale = [k for k, v in self.model.params.items() if torch.isnan(v).any()]
         if stale:  # cumem.py:361-364: after sleep(level=2) the weights are uninitialised memory until reloaded
             raise AssertionError(f"generate from weights discarded by sleep(level=2) and never reloaded ({stale[0]}, "
@@ -332,6 +350,26 @@ class LLM:
                 break
         cum = sum(next(iter(s.values())).logprob for s in steps) if sp.logprobs is not None else None
         return CompletionOutput(index, "", ids, cum, steps if sp.logprobs is not None else None, finish, stop_reason)
+
+    def _load_adapter(self, request):
+        """The worker loads an adapter from its folder when its id is not cached (lora/worker_manager.py:296-297, the
+        LRU cache of max_loras entries); a cached id is served from the cache, whatever its path now holds. The
+        fake refuses what would then serve stale adapters: an id reused with another path."""
+        import json
+
+        assert self.kwargs.get("enable_lora"), "LoRA is not enabled"                    # lora_model_runner_mixin.py
+        for name in ("adapter_config.json", "adapter_model.safetensors"):              # peft_helper.py:181, lora_model.py:239
+            assert os.path.isfile(os.path.join(request.lora_path, name)), f"{request.lora_path} has no {name}"
+        with open(os.path.join(request.lora_path, "adapter_config.json")) as f:
+            config = json.load(f)
+        assert {"r", "lora_alpha", "target_modules"} <= set(config)                      # peft_helper.py:160-169
+        assert config["r"] <= self.kwargs.get("max_lora_rank", 16)                       # peft_helper.py:193-198
+        seen = getattr(self, "adapters", {})
+        if seen.get(request.lora_int_id, request.lora_path) != request.lora_path:
+            raise AssertionError(f"adapter id {request.lora_int_id} reused with a new path: the worker serves the "
+                                 "cached adapter (worker_manager.py:296-297), stale")
+        self.adapters = {request.lora_int_id: request.lora_path}                         # max_loras=1: LRU of one
+        self.calls.append(("lora", request.lora_int_id))
 
     def sleep(self, level=1, mode="abort"):
         self.calls.append(("sleep", level))
@@ -386,6 +424,10 @@ def install(monkeypatch):
     monkeypatch.setitem(sys.modules, "vllm", vllm)
     monkeypatch.setitem(sys.modules, "vllm.inputs", inputs)
     monkeypatch.setitem(sys.modules, "vllm.exceptions", exceptions)
+    lora, request = types.ModuleType("vllm.lora"), types.ModuleType("vllm.lora.request")
+    request.LoRARequest, lora.request, vllm.lora = LoRARequest, request, lora
+    monkeypatch.setitem(sys.modules, "vllm.lora", lora)
+    monkeypatch.setitem(sys.modules, "vllm.lora.request", request)
     platforms = types.ModuleType("vllm.platforms")
     platforms.current_platform = types.SimpleNamespace(is_sleep_mode_available=lambda: True, is_cpu=lambda: False)
     vllm.platforms = platforms

@@ -17,6 +17,8 @@ from conftest import read_jsonl, refusal, refused, run
 from minigdpo import checkpoint, config, dist, logprobs, lora, microbatch, models, policy
 from minigdpo.sampler import HFSampler, SamplingParams
 from minigdpo.update import optimizer, scheduler
+from minigdpo.sampler import WeightSyncError
+from minigdpo.vllm_sampler import make_sampler
 from test_policy import batches, model_logprobs
 
 peft = pytest.importorskip("peft")
@@ -147,6 +149,51 @@ def test_merged_weights_reproduce_the_adapted_model(tiny, process_group):
             torch.testing.assert_close(torch.tensor(c.logprobs), trainer, rtol=0, atol=1e-5)
 
 
+def test_the_sampler_applies_the_adapters_as_the_trainer_does_and_a_sync_sends_only_them(tiny, process_group):
+    """The HF sampler holds the base weights once and peft's adapters; a sync moves the adapters alone, in the
+    compute dtype, and the sampler's log-probs of what it samples are the trainer's. One left out is refused."""
+    path, tok = tiny
+    model, _ = trained(path, process_group)
+    sampler = make_sampler("hf", path, torch.device("cpu"), tok, [256], torch.float32, lora=SETTINGS)
+    sent = list(model.whole_weights(torch.float32, adapters=sampler.adapters))
+    assert sampler.adapters and {n for n, _ in sent} == {n[3:] for n in full(model) if ".lora_" in n}  # less "lm."
+    with pytest.raises(WeightSyncError, match="stale"):
+        sampler.load_weights(sent[1:])
+    sampler.load_weights(sent)
+    prompts = [[10, 11, 12], [20, 21]]
+    for prompt, group in zip(prompts, sampler.generate(prompts, 2, SamplingParams(max_new_tokens=6, seed=1))):
+        for c in group:
+            mb = microbatch.build([(prompt, [c], torch.zeros(1))], tok.pad_token_id, torch.device("cpu"))
+            with torch.no_grad():
+                trainer = model_logprobs(model, mb)[0]
+            torch.testing.assert_close(torch.tensor(c.logprobs), trainer, rtol=0, atol=1e-5)
+
+
+def test_in_bf16_an_update_smaller_than_a_bf16_step_still_reaches_the_sampler(tiny, process_group):
+    """A merged bf16 weight W + s B A rounds every change under half a bf16 step back to W: after one step of lr 1e-4
+    the merge keeps little of the change s B A the trainer computes with; the sampler's own adapters keep all of it,
+    bit for bit the trainer's bf16 adapters."""
+    path, tok = tiny
+    model = policy.build(path, process_group, torch.bfloat16, lora=SETTINGS)
+    opt = optimizer(model, 1e-4, 0.0)
+    (mb,) = batches(0)
+    (-model_logprobs(model, mb).sum()).backward()
+    opt.step()
+    merged, master = dict(model.whole_weights(torch.bfloat16)), full(model)
+    base = models.load_model(path, torch.bfloat16).state_dict()
+    sampler = make_sampler("hf", path, torch.device("cpu"), tok, [256], torch.bfloat16, lora=SETTINGS)
+    sampler.load_weights(model.whole_weights(torch.bfloat16, adapters=True))
+    held = sampler.model.state_dict()
+    scale = SETTINGS.alpha / SETTINGS.rank
+    for layer in ("model.layers.0.self_attn.q_proj", "model.layers.1.mlp.down_proj"):
+        A, B = (master[f"lm.{layer}.lora_{x}.default.weight"].to(torch.bfloat16) for x in "AB")  # what the trainer uses
+        delta = scale * (B.float() @ A.float())                                                   # (out, in)
+        kept = ((merged[f"{layer}.weight"].float() - base[f"{layer}.weight"].float()) * delta).sum() / delta.square().sum()
+        assert kept < 0.7, kept  # the merge: a share of the change
+        assert torch.equal(held[f"{layer}.lora_A.default.weight"], A) and torch.equal(held[f"{layer}.lora_B.default.weight"], B)
+        assert torch.equal(held[f"{layer}.base_layer.weight"], base[f"{layer}.weight"])  # the base, once, unchanged
+
+
 def test_fake_vllm_engine_receives_merged_weights_under_base_names(tiny, process_group, monkeypatch):
     import fake_vllm
     from minigdpo.vllm_sampler import VLLMSampler
@@ -168,6 +215,38 @@ def test_fake_vllm_engine_receives_merged_weights_under_base_names(tiny, process
                                torch.cat([q, merged[layer + "self_attn.k_proj.weight"], v]))
     assert not torch.equal(q, hf[layer + "self_attn.q_proj.weight"])  # merged, not the base weight
     torch.testing.assert_close(engine.model.params[layer + "mlp.down_proj.weight"], merged[layer + "mlp.down_proj.weight"])
+
+
+def test_vllm_serves_the_adapters_a_new_one_per_sync_and_sleeps_keeping_its_base(tiny, process_group, monkeypatch):
+    """With LoRA the vLLM sampler sends the adapters alone, in peft's format, as a new adapter per sync (the fake
+    engine refuses an id reused with another path: the worker would serve the cached, stale one), and sleeps at
+    level 1: no sync rewrites the base weights, so a level-2 sleep would leave them discarded for good (the fake
+    refuses to generate from those)."""
+    import fake_vllm
+    from minigdpo.vllm_sampler import VLLMSampler
+
+    for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(key, raising=False)
+    fake_vllm.install(monkeypatch)
+    path, tok = tiny
+    model, _ = trained(path, process_group)
+    sampler = VLLMSampler(path, tok, [256], seed=3, max_model_len=128, lora=SETTINGS)
+    engine = fake_vllm.LLM.instances[-1]
+    assert engine.kwargs["enable_lora"] and engine.kwargs["max_lora_rank"] == 8  # the smallest of vLLM's ranks >= 4
+    folders = []
+    for step in range(2):
+        sampler.generate([[10, 11, 12]], 2, SamplingParams(max_new_tokens=4, seed=step))
+        sampler.sleep()
+        sampler.load_weights(model.whole_weights(adapters=sampler.adapters))
+        folders.append(sampler.lora_request.lora_path)
+        saved = load_file(os.path.join(folders[-1], "adapter_model.safetensors"))
+        assert set(saved) == {"base_model.model." + n[3:].replace(".default.", ".") for n in full(model) if ".lora_" in n}
+    sampler.generate([[10, 11, 12]], 2, SamplingParams(max_new_tokens=4, seed=5))
+    assert [c for c in engine.calls if c[0] in ("lora", "sleep")] == [("sleep", 1), ("lora", 1), ("sleep", 1), ("lora", 2)]
+    assert not any(c[0] == "collective_rpc" for c in engine.calls)  # the base weights never moved
+    assert not os.path.exists(folders[0]) and os.path.exists(folders[1])  # one adapter's folder at a time
+    sampler.close()
+    assert not os.path.exists(folders[1])
 
 
 def test_adapter_checkpoint_loads_with_peft_and_the_merged_export_with_transformers(tiny, process_group, tmp_path):

@@ -257,11 +257,17 @@ def test_a_kv_cache_too_small_for_one_sequence_is_refused_in_one_line(path, tmp_
 
 
 @pytest.mark.slow
-def test_lora_pushes_merged_weights_into_the_real_engine(path, tmp_path):
+def test_lora_runs_on_the_real_engines_own_lora_with_the_trainers_log_probs(path, tmp_path):
+    """The CPU build serves LoRA (lora/punica_wrapper/punica_cpu.py): each sync hands it the adapters alone, a new
+    adapter each step, and its log-probs are the trainer's at fp32 rounding on every step, resumed ones included."""
     pytest.importorskip("peft")
     out = str(tmp_path / "run")
-    check_run(run(train_args(path, out, "--max-steps", "2", "--save-every", "0", "--lora-rank", "4",
-                             "--lora-alpha", "8")), out, 2)
+    args = train_args(path, out, "--max-steps", "3", "--save-every", "2", "--lora-rank", "4", "--lora-alpha", "8")
+    check_run(run(args), out, 3)
+    import shutil
+
+    shutil.rmtree(os.path.join(out, "checkpoints", "step_000003"))
+    check_run(run(args + ["--resume"]), out, 3)
 
 
 @pytest.mark.slow
