@@ -53,7 +53,7 @@ from rewards import RewardScorer, encode_prompt, load_task
 # task -> (reward that means "solved", its threshold, reward that means "well formatted"); 3: an exact match
 TASK_METRICS = {"gsm8k": ("correct", 1.0, "format"), "arith": ("correct", 1.0, "format"),
                 "toolcall": ("tool_correct", 3.0, "tool_format"), "math_length": ("correct", 1.0, None),
-                "code": ("pass", 1.0, None)}
+                "code": ("pass", 1.0, None), "prompts": (None, 0.0, None)}  # prompts: your rewards, each's mean
 
 # The task settings a training run fixes, with the defaults used when neither the command line nor
 # a checkpoint gives them: train.py's own defaults, so that a model trained with them is evaluated alike.
@@ -126,12 +126,10 @@ def paired_bootstrap(model, baseline, resamples=RESAMPLES, seed=0, level=0.95):
     """model - baseline for one figure, with a percentile bootstrap interval over paired prompts.
 
     model, baseline: per-prompt (sums (P,), counts (P,)) on the same P prompts (prompt_stats).
-    The estimate is d = sum(s_m) / sum(c_m) - sum(s_b) / sum(c_b), the difference of the two printed
-    figures. Each of K resamples draws P prompt indices with replacement, the same indices for both
-    models (paired: how hard a prompt is cancels out of d), and recomputes d. The interval is the
-    (1 - level)/2 and (1 + level)/2 quantiles of the K values. A fixed seed makes it reproducible.
-    Returns (d, low, high).
-    """
+    The estimate is d = sum(s_m) / sum(c_m) - sum(s_b) / sum(c_b), the difference of the two printed figures.
+    Each of K resamples draws P prompt indices with replacement, the same indices for both models (paired: how
+    hard a prompt is cancels out of d), and recomputes d. The interval is the (1 - level)/2 and (1 + level)/2
+    quantiles of the K values; a fixed seed makes it reproducible. Returns (d, low, high)."""
     (sm, cm), (sb, cb) = model, baseline
     P = sm.numel()
     generator = torch.Generator().manual_seed(seed)
@@ -146,11 +144,9 @@ def paired_bootstrap(model, baseline, resamples=RESAMPLES, seed=0, level=0.95):
 
 
 def checkpoint_run(model):
-    """(model path, the run's config dict) for a minigdpo checkpoint; (model, None) for anything else.
-
-    A checkpoint's hf/ (or LoRA adapter/) directory sits beside trainer.json (minigdpo/checkpoint.py),
-    so both that directory and the step directory above it are recognised; a step directory means
-    hf/ when it has one, else adapter/.
+    """(model path, the run's config dict) for a minigdpo checkpoint; (model, None) for anything else. A
+    checkpoint's hf/ (or LoRA adapter/) directory sits beside trainer.json (minigdpo/checkpoint.py), so both that
+    directory and the step directory above it are recognised; a step directory means hf/ if it has one, else adapter/.
     """
     for sub in ("hf", "adapter"):
         if os.path.isfile(os.path.join(model, "trainer.json")) and os.path.isdir(os.path.join(model, sub)):
@@ -167,9 +163,8 @@ def checkpoint_run(model):
 
 
 def fill_settings(args, run):
-    """Set every RUN_SETTINGS value the command line left unset: from the run's config, else the default.
-
-    Returns the names taken from the run."""
+    """Set every RUN_SETTINGS value the command line left unset, from the run's config, else the default; returns
+    the names taken from the run."""
     taken = []
     for name, default in RUN_SETTINGS.items():
         if getattr(args, name) is None:
@@ -203,10 +198,8 @@ def new_sampler(path, args):
 
 def same_shape(a, b):
     """Whether the models at a and b have the same tensors (names and shapes) and the same vocabulary."""
-    def shapes(path):
-        return {name: t.shape for name, t in models.empty_model(path, torch.float32).state_dict().items()}
-
-    return shapes(a) == shapes(b) and models.load_tokenizer(a).get_vocab() == models.load_tokenizer(b).get_vocab()
+    shapes = [{name: t.shape for name, t in models.empty_model(p, torch.float32).state_dict().items()} for p in (a, b)]
+    return shapes[0] == shapes[1] and models.load_tokenizer(a).get_vocab() == models.load_tokenizer(b).get_vocab()
 
 
 def swap_in(sampler, tokenizer, source, path, args, kind):
@@ -214,6 +207,9 @@ def swap_in(sampler, tokenizer, source, path, args, kind):
     sampler with `path`'s weights streamed in when the two share their shapes and vocabulary, else a new
     one. With vLLM it must be the same engine: its CuMem allocator serves one engine per process
     (vllm/v1/worker/gpu_worker.py:413-416)."""
+    if getattr(sampler, "adapters", False) and path == source:  # a LoRA run's sampler holds its base: adapters off
+        sampler.adapters_off()
+        return sampler, tokenizer
     if same_shape(source, path):
         sampler.load_weights(models.checkpoint_tensors(path))  # each sampler casts to its own dtype
         return sampler, tokenizer
@@ -235,14 +231,15 @@ def evaluate(sampler, tokenizer, label, args, examples, names, out_file):
     per_rank = -(-len(examples) // dist.world_size())
     first = dist.rank() * per_rank
     mine = examples[first:first + per_rank]
-    rows, all_rewards, lengths, truncated = [], [], [], []
+    rows, all_rewards, lengths, truncated, failures = [], [], [], [], {}
     t0 = time.perf_counter()
     for s in range(0, len(mine), args.batch_size):
         batch = mine[s:s + args.batch_size]
         prompts = [encode_prompt(tokenizer, ex["messages"], args.max_prompt_len) for ex in batch]
         completions = [c for group in sampler.generate(prompts, args.n, params) for c in group]
-        rewards, _ = scorer([c.text for c in completions], [ex for ex in batch for _ in range(args.n)],
-                            [len(c.token_ids) for c in completions])
+        rewards, stats = scorer([c.text for c in completions], [ex for ex in batch for _ in range(args.n)],
+                                completion_ids=[c.token_ids for c in completions])
+        failures = RewardScorer.merge([failures, stats])
         for i, c in enumerate(completions):
             rows.append({"prompt_index": first + s + i // args.n, "sample": i % args.n, "completion": c.text,
                          "tokens": len(c.token_ids), "finish_reason": c.finish_reason,
@@ -252,7 +249,8 @@ def evaluate(sampler, tokenizer, label, args, examples, names, out_file):
         truncated.append(torch.tensor([c.finish_reason == "length" for c in completions]).view(len(batch), args.n))
         dist.print0(f"{label}: evaluated {min(s + args.batch_size, len(mine)) * dist.world_size()}/{len(examples)} "
                     "prompts", file=sys.stderr)
-    parts = dist.all_gather_object((rows, all_rewards, lengths, truncated))
+    parts = dist.all_gather_object((rows, all_rewards, lengths, truncated, failures))
+    RewardScorer.check(RewardScorer.merge([part[4] for part in parts]))  # a broken reward stops every rank alike
     if not dist.is_main():
         return None
     with open(out_file, "w") as f:
@@ -379,8 +377,9 @@ def after_training(cfg, sampler, tokenizer):
     holds the trained weights: the run's last checkpoint against the model it started from, greedy, on
     the first cfg.final_eval problems of the task's held-out split."""
     last = checkpoint.latest(cfg.output_dir)
-    if last is None:
-        dist.print0("final evaluation skipped: the run has no complete checkpoint")
+    if last is None or cfg.task == "prompts":  # your own prompts have no held-out split
+        dist.print0("final evaluation skipped: " + ("the run has no complete checkpoint" if last is None else
+                    "--task prompts has no held-out split (run eval.py --task prompts --data TEST_FILE)"))
         return None
     dist.print0(f"\nfinal evaluation: held-out {cfg.task} problems, the trained model against {cfg.model}")
     argv = ["--model", last, "--baseline", cfg.model, "--limit", str(cfg.final_eval), "--sampler", cfg.sampler,

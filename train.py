@@ -42,6 +42,7 @@ from collections import deque
 
 import torch
 from tqdm import tqdm
+from transformers import TrainerState
 
 from minigdpo import checkpoint, config, dist, dynamic_sampling, logprobs, lora, microbatch, models, policy, rollout
 from minigdpo.advantages import Condition, apply_conditions, distinct_per_group, per_reward_stats
@@ -50,7 +51,7 @@ from minigdpo.data import DataError
 from minigdpo.rollout import timed
 from minigdpo.update import fill_logprobs, optimizer, scheduler, step_metrics, update
 from minigdpo.vllm_sampler import SamplerUnavailable, check_sampler, make_sampler, resolve_kind
-from rewards import PromptOrder, RewardScorer, load_task
+from rewards import PromptOrder, RewardError, RewardScorer, load_task
 from rewards.reward_model import RewardModelError
 
 
@@ -129,6 +130,9 @@ def run_training(argv=None):
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
         # 1-3. Prompts, G completions each, their rewards (minigdpo/rollout.py): each rank samples its share.
+        scorer.trainer_state = TrainerState(global_step=(step - 1) * cfg.num_iterations, max_steps=sizes.total_steps
+                                            * cfg.num_iterations, epoch=cursor / len(task.examples),
+                                            num_train_epochs=sizes.total_steps * sizes.prompts_per_step / len(task.examples))
         if cfg.dynamic_sampling:  # rounds of fresh prompts until B groups can be learned from
             batch, cursor = dynamic_sampling.sample(step, cursor, order, task, tokenizer, sampler, scorer, cfg, sizes,
                                                     names, conditions, weights, seconds)
@@ -201,7 +205,8 @@ def run_training(argv=None):
         if cfg.samples_every and step % cfg.samples_every == 0 and batch.prompts:
             log.samples(step, [{"prompt": tokenizer.decode(batch.prompts[0], skip_special_tokens=True)[-300:],
                                 "completion": c.text, "advantage": adv[0, i].item(),
-                                "rewards": dict(zip(names, batch.rewards[first, i].tolist()))}
+                                "rewards": dict(zip(names, batch.rewards[first, i].tolist())),
+                                **({"extra": {k: v[i] for k, v in batch.extra.items()}} if batch.extra else {})}
                                for i, c in enumerate(batch.completions[0][:4])])
         if (cfg.save_every and step % cfg.save_every == 0) or step == sizes.total_steps:
             try:
@@ -262,6 +267,8 @@ def rewards_setup(cfg, task):
     """Reward names, conditions, weights and scorer; any bad name or count is a ConfigError."""
     names = cfg.rewards or task.rewards
     try:
+        if not names:
+            raise ValueError(f"--task {cfg.task} has no rewards of its own: name them with --rewards")
         if len(set(names)) != len(names):
             raise ValueError(f"--rewards lists a reward twice: {names}")
         conditions = [Condition.parse(c, names) for c in cfg.condition]
@@ -288,7 +295,10 @@ def reward_metrics(rewards, names, counts_per_rank):
         out[f"reward/{name}/mean"] = valid.mean().item() if valid.numel() else float("nan")
         out[f"reward/{name}/std"] = valid.std().item() if valid.numel() > 1 else 0.0
         for key, value in RewardScorer.merge(counts_per_rank)[name].items():  # failures; a reward model's truncations
-            out[f"reward/{name}/{key}"] = value                                 # and memory (model_gib, per rank)
+            if key.startswith("metric/"):                                       # and memory; a TRL-style log_metric
+                out[f"reward/{name}/{key[7:]}"] = value[0] / max(value[1], 1)
+            elif key != "error":
+                out[f"reward/{name}/{key}"] = value
     return out
 
 
@@ -385,6 +395,6 @@ if __name__ == "__main__":
     transformers.utils.logging.disable_progress_bar()
     try:
         main()
-    except (config.ConfigError, DataError, SamplerUnavailable, RewardModelError) as e:
+    except (config.ConfigError, DataError, SamplerUnavailable, RewardModelError, RewardError) as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)

@@ -7,6 +7,7 @@ the sizes that train.py prints and logs (saved as "derived", the key checkpoints
 
 import argparse
 import ast
+import importlib.util
 import inspect
 import math
 from dataclasses import MISSING, asdict, dataclass, field, fields
@@ -32,12 +33,13 @@ class Config:
     model: str = "Qwen/Qwen2.5-1.5B-Instruct"
     """Policy: a Hugging Face hub name, a local directory, or tiny-random (a 2-layer random Llama, offline)."""
     task: str = "gsm8k"
-    """Prompt set and its default rewards: gsm8k, arith, toolcall, math_length or code."""
+    """Prompt set and its default rewards: gsm8k, arith, toolcall, math_length, code, or prompts (your --data with a
+    `prompt` column in TRL's formats, and your --rewards: docs/tasks.md)."""
     data: str = ""
     """Training data: a local .jsonl/.json/.parquet file or a hub dataset name. Empty: the task's default."""
     rewards: list = field(default_factory=list)
-    """Rewards, comma-separated: built-in names, module:function, or reward models model:PATH[@LABEL].
-    Empty: the task's."""
+    """Rewards, comma-separated: built-in names, module:function (fn(completion, example), or TRL-style, unchanged),
+    or reward models model:PATH[@LABEL]. Empty: the task's."""
     reward_weights: list = field(default_factory=list)
     """One weight per reward, comma-separated (paper Eq. 7). Empty: all 1."""
     condition: list = field(default_factory=list)
@@ -338,8 +340,6 @@ def validate(cfg):
     _check(bool(cfg.output_dir.strip()), "--output-dir must not be empty")
     _check(cfg.seed >= 0, f"--seed must be >= 0, got {cfg.seed}")
     if cfg.wandb:
-        import importlib.util
-
         _check(importlib.util.find_spec("wandb") is not None, "--wandb needs wandb: pip install 'minigdpo[wandb]'")
     validate_lora(cfg)
     for name in ("reward_weights", "saw_shift"):
@@ -358,8 +358,6 @@ def validate_lora(cfg):
                  if getattr(cfg, n) != getattr(defaults, n)]
         _check(not given, f"{', '.join(given)} {'needs' if len(given) == 1 else 'need'} --lora-rank R >= 1 (0: off)")
         return
-    import importlib.util
-
     _check(importlib.util.find_spec("peft") is not None, "--lora-rank needs peft: pip install 'minigdpo[lora]'")
     _check(math.isfinite(cfg.lora_alpha) and cfg.lora_alpha > 0, f"--lora-alpha must be > 0, got {cfg.lora_alpha}")
     _check(0 <= cfg.lora_dropout < 1, f"--lora-dropout must be in [0, 1), got {cfg.lora_dropout}")

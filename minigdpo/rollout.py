@@ -39,6 +39,7 @@ class Rollout:
     truncated: torch.Tensor    # (groups sampled * G,) 1 where a completion ran to max_new_tokens
     failures: list             # every rank's scorer failures, {reward: {kind: n}}
     stats: dict = field(default_factory=dict)  # sampling/... (dynamic sampling's rounds)
+    extra: dict = field(default_factory=dict)  # a TRL-style reward's log_extra: {column: this rank's values}
 
 
 def step_prompts(step, cursor, order, task, cfg, sizes, round_=0):
@@ -65,9 +66,10 @@ def rollout(examples, seed, tokenizer, sampler, scorer, cfg, seconds, sleep=Fals
     flat = [c for group in groups for c in group]
     with timed(seconds, "reward"):
         scores, failures = scorer([c.text for c in flat], [ex for ex in examples for _ in range(G)],
-                                  [len(c.token_ids) for c in flat])        # (n * G, R)
+                                  completion_ids=[c.token_ids for c in flat])        # (n * G, R)
     rewards = dist.all_gather(scores).view(-1, G, scores.shape[1]).double()          # (B, G, R)
     lengths = dist.all_gather(torch.tensor([float(len(c.token_ids)) for c in flat])).view(-1, G)  # (B, G)
     truncated = dist.all_gather(torch.tensor([float(c.finish_reason == "length") for c in flat]))  # (B * G,)
-    return Rollout(prompts, groups, rewards, lengths, rewards.cpu(), lengths, truncated,
-                   [RewardScorer.merge([f]) for f in dist.all_gather_object(failures)])
+    failures = [RewardScorer.merge([f]) for f in dist.all_gather_object(failures)]
+    RewardScorer.check(RewardScorer.merge(failures))  # a reward that broke its contract on any rank: every rank stops
+    return Rollout(prompts, groups, rewards, lengths, rewards.cpu(), lengths, truncated, failures, extra=scorer.extra)

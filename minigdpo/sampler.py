@@ -252,6 +252,12 @@ class HFSampler:
             self.offloaded = False
         check_sync(self.expected, sent)
 
+    def adapters_off(self):
+        """Sample from the base model the sampler holds under its LoRA adapters (eval.py's baseline of a LoRA run)."""
+        for m in self.model.modules():
+            if hasattr(m, "lora_A"):  # peft's LoRA layers
+                m.enable_adapters(False)
+
     def sleep(self):
         """Move the inference copy off the accelerator while the trainer needs the memory."""
         if self.device.type == "cuda" and not self.offloaded:

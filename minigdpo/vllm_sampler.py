@@ -260,6 +260,10 @@ class VLLMSampler:
             shutil.rmtree(previous.lora_path, ignore_errors=True)
         self.llm.reset_prefix_cache()
 
+    def adapters_off(self):
+        """Sample from the base model, without the adapters (eval.py's baseline of a LoRA run)."""
+        self.lora_request = None
+
     def sleep(self):
         """Free the accelerator for the update. Level 2 discards the weights (the sync that follows the update
         rewrites every one: nothing is worth copying to the host), so a weight sync must come before the next

@@ -36,10 +36,11 @@ from typing import Callable, Optional
 import torch
 
 from minigdpo.data import DataError
-from rewards import reward_model
+from rewards import reward_model, trl_style
+from rewards.trl_style import RewardError  # noqa: F401 (train.py and eval.py catch it from here)
 
 TASKS = {"gsm8k": "rewards.gsm8k", "arith": "rewards.arith", "toolcall": "rewards.toolcall",
-         "math_length": "rewards.math_length", "code": "rewards.code"}
+         "math_length": "rewards.math_length", "code": "rewards.code", "prompts": "rewards.prompts"}
 BUILTIN = {"format": "rewards.gsm8k:format_reward", "correct": "rewards.gsm8k:correct_reward",
            "integer": "rewards.gsm8k:integer_reward", "length_ok": "rewards.length:length_ok",
            "tool_format": "rewards.toolcall:tool_format", "tool_format_strict": "rewards.toolcall:tool_format_strict",
@@ -73,7 +74,10 @@ def load_task(name, data="", split="train", skip_bad=False, data_options=None, r
 
 
 def encode_prompt(tokenizer, messages, max_len):
-    """Chat template with the generation prompt, cut from the left to max_len tokens."""
+    """Chat template with the generation prompt, cut from the left to max_len tokens; a string (TRL's standard
+    prompt, rewards/prompts.py) is tokenized as it is, with the tokenizer's own special tokens, as TRL does."""
+    if isinstance(messages, str):
+        return tokenizer(messages).input_ids[-max_len:]
     text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
     return tokenizer(text, add_special_tokens=False).input_ids[-max_len:]
 
@@ -108,6 +112,7 @@ class Reward:
     name: str
     fn: Callable
     prepare: Optional[Callable] = None  # a batch hook, prepare(completions, examples), run before fn
+    batched: bool = False  # TRL-style: fn(prompts=, completions=, completion_ids=, columns..., **kwargs), per batch
 
 
 def get(name):
@@ -123,7 +128,7 @@ def get(name):
         fn = getattr(importlib.import_module(module), attr)
     except (ImportError, AttributeError) as e:
         raise ValueError(f"cannot load reward {name!r}: {e}") from None
-    return Reward(name, fn, getattr(fn, "prepare", None))
+    return Reward(name, fn, getattr(fn, "prepare", None), trl_style.is_batched(fn))
 
 
 def names():
@@ -195,6 +200,7 @@ class RewardScorer:
         self.timeout = timeout
         self.max_timeouts = max_timeouts
         self._warned = set()
+        self.trainer_state, self.extra = None, {}  # what a TRL-style reward gets as trainer_state; its log_extra
 
     def place_models(self, device, dtype, batch_size=8, placement="auto", shard_build=None):
         """Load the reward models' weights on the trainer's device, in its dtype, before any is needed (train.py;
@@ -221,7 +227,19 @@ class RewardScorer:
                         merged[key] = merged.get(key, 0) + value
                     elif key == "model_gib":
                         merged[key] = max(merged.get(key, 0.0), value)
+                    elif key == "error":  # a broken contract (trl_style.RewardError): the first rank's message
+                        merged[key] = merged.get(key) or value
+                    elif key.startswith("metric/"):  # a TRL-style reward's log_metric: (sum, count)
+                        total, count = merged.get(key, (0.0, 0))
+                        merged[key] = (total + value[0], count + value[1])
         return out
+
+    @staticmethod
+    def check(merged):
+        """Raise RewardError, on every rank alike, where a reward broke its contract on any rank (merged stats)."""
+        for s in merged.values():
+            if s.get("error"):
+                raise RewardError(s["error"])
 
     def _warn(self, name, kind, detail):
         if (name, kind) not in self._warned:
@@ -251,12 +269,46 @@ class RewardScorer:
             return "errors", None
         return ("none", None) if value is None else ("ok", value)
 
-    def __call__(self, completions, examples, completion_tokens=None):
+    def _call_batched(self, reward, column, s, texts, examples, completion_ids, can_time_out):
+        """A TRL-style reward on the whole batch (rewards/trl_style.py), its values written into column (N,)."""
+        N, metrics = len(texts), {}
+        ids = completion_ids if completion_ids is not None else [[] for _ in texts]
+        arm = can_time_out and bool(self.timeout)
+        try:
+            if arm:
+                signal.setitimer(signal.ITIMER_REAL, self.timeout)
+            try:
+                result = reward.fn(**trl_style.arguments(texts, examples, ids, self.trainer_state, metrics, self.extra))
+                got, s["invalid"] = trl_style.values(reward.name, result, N)
+            finally:
+                if arm:
+                    signal.setitimer(signal.ITIMER_REAL, 0)
+        except RewardError as e:
+            s["error"], got = str(e), [None] * N
+        except RewardTimeout:
+            self._warn(reward.name, "timeouts", f"ran past its {self.timeout:g} s limit on a batch")
+            s["timeouts"], got = N, [None] * N
+        except Exception as e:
+            self._warn(reward.name, "errors", f"raised {type(e).__name__}: {e}")
+            s["errors"], got = N, [None] * N
+        if s["invalid"]:
+            self._warn(reward.name, "invalid", "returned a value that is not finite")
+        s["none"] = sum(v is None for v in got) - s["invalid"] - s["errors"] - s["timeouts"]
+        s.update({f"metric/{k}": v for k, v in metrics.items()})
+        column.copy_(torch.tensor([math.nan if v is None else v for v in got], dtype=torch.float64))
+
+    def __call__(self, completions, examples, completion_tokens=None, completion_ids=None):
+        """completion_ids (token id lists) give completion_tokens too. A broken contract is not raised here, where
+        the other ranks would wait in the next collective, but returned in the stats (check() raises it once every
+        rank's stats are merged)."""
         N, R = len(completions), len(self.rewards)
         if len(examples) != N:
             raise ValueError(f"{N} completions but {len(examples)} examples")
+        if completion_ids is not None:
+            completion_tokens = [len(ids) for ids in completion_ids]
         if completion_tokens is not None:
             examples = [{**ex, "completion_tokens": int(n)} for ex, n in zip(examples, completion_tokens)]
+        self.extra = {}  # a TRL-style reward's log_extra columns, this call's
         out = torch.full((N, R), math.nan, dtype=torch.float64)    # (N, R)
         stats = {name: dict.fromkeys(self.KINDS, 0) for name in self.names}
         reward_model.new_batch()
@@ -272,7 +324,9 @@ class RewardScorer:
                         raise
                     except Exception as e:  # the per-sample calls still run without the batch cache
                         self._warn(reward.name, "prepare", f"batch hook raised {type(e).__name__}: {e}")
-                for i in range(N):
+                if reward.batched:
+                    self._call_batched(reward, out[:, k], s, completions, examples, completion_ids, can_time_out)
+                for i in range(N if not reward.batched else 0):
                     if s["timeouts"] >= self.max_timeouts:
                         s["timeouts"] += 1
                         continue

@@ -126,7 +126,7 @@ class RewardModel:
             self.encode(messages, "42")
         except Exception as e:
             raise RewardModelError(f"reward model {self.spec!r}: its chat template cannot write this task's "
-                                   f"conversation (roles {', '.join(m['role'] for m in messages)}, assistant): "
+                                   f"conversation (roles {', '.join(m['role'] for m in messages or [])}, assistant): "
                                    f"{type(e).__name__}: {e}") from None
 
     def place(self, device=None, dtype=None, batch_size=8, placement="resident", shard_build=None):
@@ -171,7 +171,12 @@ class RewardModel:
 
     def encode(self, messages, completion):
         """(token ids, whether they were cut): the conversation in the reward model's template, cut from the
-        left to its limit; or, without a template, the text pair (prompt, completion) with special tokens."""
+        left to its limit; or, without a template, the text pair (prompt, completion) with special tokens. A
+        standard prompt (a string, rewards/prompts.py) and its completion are one text, as TRL scores them
+        (trl/trainer/grpo_trainer.py:1605-1620)."""
+        if isinstance(messages, str):
+            ids = self.tokenizer(messages + completion, add_special_tokens=False).input_ids
+            return ids[-self.max_len:], len(ids) > self.max_len
         if not self.templated:
             prompt = "\n\n".join(m["content"] for m in messages)
             whole = self.tokenizer(prompt, completion).input_ids

@@ -278,6 +278,18 @@ def test_adapter_checkpoint_loads_with_peft_and_the_merged_export_with_transform
         torch.testing.assert_close(merged[name], t, rtol=0, atol=1e-6)
 
 
+def test_the_final_evaluation_of_a_lora_run_compares_with_its_base_in_the_same_sampler(tmp_path):
+    """The trainer's sampler holds the base once under its adapters: the baseline (the run's own base model) is that
+    sampler with its adapters off, and samples what the base model alone samples."""
+    out = str(tmp_path / "run")
+    run(SMOKE + ["--max-steps", "1", "--final-eval", "2", "--output-dir", out])
+    base = str(tmp_path / "base")
+    run(["eval.py", "--model", "tiny-random", "--task", "arith", "--limit", "2", "--max-new-tokens", "8",
+         "--max-prompt-len", "64", "--sampler", "hf", "--output", base])
+    baseline = read_jsonl(os.path.join(out, "final_eval", "completions_baseline.jsonl"))
+    assert [r["completion"] for r in baseline] == [r["completion"] for r in read_jsonl(os.path.join(base, "completions.jsonl"))]
+
+
 def test_resume_reaches_the_same_adapters_and_the_state_holds_only_them(tmp_path):
     common = SMOKE + ["--lr-schedule", "constant", "--save-every", "1", "--keep-checkpoints", "5"]
     a, b = str(tmp_path / "a"), str(tmp_path / "b")
