@@ -42,7 +42,6 @@ from collections import deque
 
 import torch
 from tqdm import tqdm
-from transformers import TrainerState
 
 from minigdpo import checkpoint, config, dist, dynamic_sampling, logprobs, lora, microbatch, models, policy, rollout
 from minigdpo.advantages import Condition, apply_conditions, distinct_per_group, per_reward_stats
@@ -130,9 +129,7 @@ def run_training(argv=None):
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
         # 1-3. Prompts, G completions each, their rewards (minigdpo/rollout.py): each rank samples its share.
-        scorer.trainer_state = TrainerState(global_step=(step - 1) * cfg.num_iterations, max_steps=sizes.total_steps
-                                            * cfg.num_iterations, epoch=cursor / len(task.examples),
-                                            num_train_epochs=sizes.total_steps * sizes.prompts_per_step / len(task.examples))
+        scorer.trainer_state = rollout.trainer_state(step, cursor, cfg, sizes, len(task.examples))  # TRL-style rewards
         if cfg.dynamic_sampling:  # rounds of fresh prompts until B groups can be learned from
             batch, cursor = dynamic_sampling.sample(step, cursor, order, task, tokenizer, sampler, scorer, cfg, sizes,
                                                     names, conditions, weights, seconds)

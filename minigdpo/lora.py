@@ -212,7 +212,8 @@ def adapter_state(lm):
     Every rank must call it: each gather is a collective."""
     from peft import get_peft_model_state_dict
 
-    state = {name: dist.full_tensor(t.detach()) for name, t in lm.state_dict(keep_vars=True).items() if is_adapter(name)}
+    state = {name: dist.full_tensor(t.detach()) for name, t in lm.state_dict(keep_vars=True).items()
+             if is_adapter(name)}
     # PeftModel's own keys start with its wrappers' names (PeftModel.base_model -> LoraModel.model).
     return {"base_model.model." + k: v for k, v in get_peft_model_state_dict(lm, state, ADAPTER).items()}
 

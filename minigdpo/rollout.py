@@ -42,6 +42,15 @@ class Rollout:
     extra: dict = field(default_factory=dict)  # a TRL-style reward's log_extra: {column: this rank's values}
 
 
+def trainer_state(step, cursor, cfg, sizes, num_prompts):
+    """What a TRL-style reward gets as trainer_state (rewards/trl_style.py): a transformers TrainerState with the
+    optimizer steps done before this step's sampling, their total, and the epochs of prompts taken and to take."""
+    from transformers import TrainerState
+
+    return TrainerState(global_step=(step - 1) * cfg.num_iterations, max_steps=sizes.total_steps * cfg.num_iterations,
+                        epoch=cursor / num_prompts, num_train_epochs=sizes.total_steps * sizes.prompts_per_step / num_prompts)
+
+
 def step_prompts(step, cursor, order, task, cfg, sizes, round_=0):
     """This rank's examples for a round of a step (B prompts from `cursor` in `order`, each rank a contiguous
     slice, so groups never straddle ranks) and the round's sampling seed, fixed by the step and the round: a
