@@ -48,7 +48,8 @@ def trainer_state(step, cursor, cfg, sizes, num_prompts):
     from transformers import TrainerState
 
     return TrainerState(global_step=(step - 1) * cfg.num_iterations, max_steps=sizes.total_steps * cfg.num_iterations,
-                        epoch=cursor / num_prompts, num_train_epochs=sizes.total_steps * sizes.prompts_per_step / num_prompts)
+                        epoch=cursor / num_prompts,
+                        num_train_epochs=sizes.total_steps * sizes.prompts_per_step / num_prompts)
 
 
 def step_prompts(step, cursor, order, task, cfg, sizes, round_=0):
