@@ -169,28 +169,31 @@ def packed_attention(module, query, key, value, attention_mask, dropout=0.0, sca
     """Attention over a packed row, as transformers calls an attention function: query (1, h, L, d), key and
     value (1, kv, L, d), attention_mask a Packed layout with its biases. The projections, norms and MLP ran on the
     L packed tokens; here q, k and v are copied, in one index_copy, into padded rows (prompts (b, P); completions
-    (N, T), their prompt's keys in front), SDPA runs on those with the layer's bias (its sliding window, if any),
-    and one index_select reads the outputs back into the packed row. Their backwards are a gather and an index_add
-    over distinct rows, and splits, not slices, part the rows: no whole-row buffer of zeros in the backward."""
-    pk, h, kv = attention_mask, query.shape[1], key.shape[1]
+    (N, T), their prompt's keys in front), the key-value heads repeated for their query heads in one copy, SDPA runs
+    on those rows with the layer's bias (its sliding window, if any), and one index_select reads the outputs back
+    into the packed row. Their backwards are a gather and an index_add over distinct rows, and splits, not slices,
+    part the rows: no whole-row buffer of zeros in the backward. Few ops per layer: a host that issues kernels one
+    at a time keeps up with the GPU (benchmarks/update_ops.py)."""
+    pk, h, kv, d = attention_mask, query.shape[1], key.shape[1], query.shape[-1]
     prompt_bias, tail_bias = pk.bias[sliding_window]
     (b, _, P, _), (N, _, T, _) = prompt_bias.shape, tail_bias.shape
-    qkv = torch.cat([query, key, value], dim=1)[0].transpose(0, 1)        # (L, h + 2kv, d)
-    rows = qkv.new_zeros(b * P + N * T, *qkv.shape[1:]).index_copy(0, pk.dest, qkv)  # (b*P + N*T, h + 2kv, d)
-    rows_p, rows_t = rows.split([b * P, N * T])
-    (q_p, kv_p), (q_t, kv_t) = (x.view(n, w, *qkv.shape[1:]).split([h, 2 * kv], dim=2)
-                                for x, n, w in ((rows_p, b, P), (rows_t, N, T)))  # (n, w, h, d), (n, w, 2kv, d)
-    out_p = attend(q_p, kv_p, prompt_bias, dropout, scaling)                         # (b * P, h, d)
-    out_t = attend(q_t, torch.cat([kv_p.index_select(0, pk.owner), kv_t], dim=1), tail_bias, dropout, scaling)
+    qkv = torch.cat([query, key, value], dim=1).squeeze(0).transpose(0, 1)  # (L, h + 2kv, d)
+    rows = qkv.new_zeros(b * P + N * T, h + 2 * kv, d).index_copy(0, pk.dest, qkv)  # (b*P + N*T, h + 2kv, d)
+    q, kv_rows = rows.split([h, 2 * kv], dim=1)
+    kv_rows = kv_rows.view(-1, 2, kv, 1, d).expand(-1, -1, -1, h // kv, -1).reshape(-1, 2, h, d)  # (rows, 2, h, d)
+    (q_p, q_t), (kv_p, kv_t) = q.split([b * P, N * T]), kv_rows.split([b * P, N * T])
+    kv_p, kv_t = kv_p.view(b, P, 2, h, d), kv_t.view(N, T, 2, h, d)
+    out_p = attend(q_p.view(b, P, h, d), kv_p, prompt_bias, dropout, scaling)                        # (b * P, h, d)
+    out_t = attend(q_t.view(N, T, h, d), torch.cat([kv_p.index_select(0, pk.owner), kv_t], dim=1), tail_bias,
+                   dropout, scaling)                                                                 # (N * T, h, d)
     return torch.cat([out_p, out_t]).index_select(0, pk.dest)[None], None  # (1, L, h, d)
 
 
 def attend(q, kv, bias, dropout, scaling):
-    """SDPA of q (r, s, h, d) over kv (r, u, 2 kv heads, d) with an additive bias (r, 1, s, u) -> (r * s, h, d)."""
-    (r, s, h, d), u = q.shape, kv.shape[1]
-    k, v = (t.transpose(1, 2)[:, :, None].expand(-1, -1, 2 * h // kv.shape[2], -1, -1).reshape(r, h, u, d)
-            for t in kv.chunk(2, dim=2))                                   # (r, h, u, d): grouped heads, one copy
-    out = F.scaled_dot_product_attention(q.transpose(1, 2), k, v, attn_mask=bias, dropout_p=dropout, scale=scaling)
+    """SDPA of q (r, s, h, d) over keys and values kv (r, u, 2, h, d), with an additive bias (r, 1, s, u)."""
+    (r, s, h, d), (k, v) = q.shape, kv.unbind(2)  # unbind, not two selects: one stack in the backward, no zeros
+    out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=bias,
+                                         dropout_p=dropout, scale=scaling)                          # (r, h, s, d)
     return out.transpose(1, 2).reshape(r * s, h, d)                        # (r * s, h, d)
 
 
