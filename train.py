@@ -84,10 +84,11 @@ def run_training(argv=None):
     auto = torch.bfloat16 if device.type == "cuda" else torch.float32
     dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}.get(cfg.dtype, auto)
     scorer.place_models(device, dtype, cfg.reward_model_batch_size, cfg.reward_model_placement, policy.build_classifier)
-    model = policy.build(path, device, dtype, cfg.grad_checkpointing, lora=adapters)
+    compiled = cfg.compile == "true" or (cfg.compile == "auto" and device.type == "cuda")
+    model = policy.build(path, device, dtype, cfg.grad_checkpointing, lora=adapters, compile=compiled)
     ref = None  # with LoRA the reference is the policy with its adapters off
     if cfg.beta > 0 and not adapters:
-        ref = policy.build(path, device, dtype, frozen=True, offload=cfg.ref_offload)
+        ref = policy.build(path, device, dtype, frozen=True, offload=cfg.ref_offload, compile=compiled)
     lm_config = model.lm.config
     opt = optimizer(model, cfg.lr, cfg.weight_decay)  # the parameters that require grad: with LoRA, the adapters
     n_trainable, n_params = lora.trainable_count(model)  # global counts, also under FSDP

@@ -5,6 +5,8 @@
 #   bash benchmarks/gpu_checklist.sh train     # Qwen2.5-1.5B's shape: --preset a100 --sampler hf, save, --resume,
 #                                              # the export loaded by transformers
 #   bash benchmarks/gpu_checklist.sh lora      # the same shape with LoRA rank 32; benchmarks/gpu.py
+#   bash benchmarks/gpu_checklist.sh compile   # gpu_profile.py on a spread of lengths: padded and packed, by token
+#                                              # budgets, eager and compiled layers (MFU, GPU idle share)
 #
 # The model is random (built from the shape, no download) with the offline byte-level tokenizer, so every
 # completion runs to --max-new-tokens (512 here: about a trained 1.5B model's GSM8K completions, not the
@@ -67,5 +69,10 @@ lora)
   rm -rf "$OUT/lora"
   timeout 120 python3 benchmarks/gpu.py --steps 4 2>&1 | tail -6
   ;;
-*) echo "usage: bash benchmarks/gpu_checklist.sh tests|train|lora" >&2; exit 2 ;;
+compile)  # the default measured: padded and packed on a spread of lengths, by token budgets, eager and compiled
+  timeout 560 python3 benchmarks/gpu_profile.py --lengths 100,1000 --profile packed --profile-seqs 16 --sizes "" \
+    --budgets 8192,16384,32768 --passes padded,packed --compile false,true --reps 1 --json "$OUT/compile.json" 2>&1 \
+    | tee "$OUT/compile.log" | grep -v Warning | grep -E "GPU idle|by kind|tokens \(|compiled|eager layers|host waits"
+  ;;
+*) echo "usage: bash benchmarks/gpu_checklist.sh tests|train|lora|compile" >&2; exit 2 ;;
 esac

@@ -3,6 +3,7 @@
     python benchmarks/gpu_profile.py                          # Qwen2.5-1.5B's shape (28 layers), bf16, grad checkpointing
     python benchmarks/gpu_profile.py --sizes 8,16,32,64       # the MFU sweep's micro-batch sizes (sequences)
     python benchmarks/gpu_profile.py --json /tmp/profile.json # the figures, for docs/performance.md
+    python benchmarks/gpu_profile.py --compile false,true     # eager, then each decoder layer compiled
 
 A random model built from the shape (no download), the offline byte-level tokenizer's ids, one rank (FSDP2 still
 gathers and reduces through NCCL). Completions all run to --completion-len, so no micro-batch holds padding here.
@@ -187,6 +188,7 @@ def main(argv=None):
     p.add_argument("--chunk", type=int, default=1024, help="--logprob-chunk")
     p.add_argument("--peak-tflops", type=float, default=989.0, help="dense bf16 peak (H100 and H200 SXM: 989)")
     p.add_argument("--json", default="", help="write the figures here too")
+    p.add_argument("--compile", default="false", help="false, true or false,true: each layer compiled (--compile)")
     args = p.parse_args(argv)
     import transformers
 
@@ -196,12 +198,25 @@ def main(argv=None):
     device = dist.init()
     if device.type != "cuda":
         raise SystemExit("gpu_profile.py measures a CUDA GPU")
-    model = policy.build(path, device, torch.bfloat16, grad_checkpointing=True)
+    out = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "shape": vars(args)}
+    for compile in [x == "true" for x in args.compile.split(",")]:
+        model = policy.build(path, device, torch.bfloat16, grad_checkpointing=True, compile=compile)
+        out[f"compile={compile}"] = measure(model, args, device, lengths, compile)
+        del model
+        torch.cuda.empty_cache()
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(out, f, indent=1)
+
+
+def measure(model, args, device, lengths, compile):
+    """The profile and the sweep of one model: {"params", "packed_vs_padded_max_abs_logp", "profile/...", "sweep"}."""
     n_params = sum(p.numel() for p in model.parameters())
     opt = optimizer(model, 1e-6, 0.0)
     sched = scheduler(opt, 100, 0.0, "constant")
-    out = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "params": n_params, "shape": vars(args)}
-    print(f"{out['device']}, torch {torch.__version__}, {n_params / 1e9:.3f}B parameters, bf16, grad checkpointing")
+    out = {"params": n_params}
+    print(f"\n{torch.cuda.get_device_name()}, torch {torch.__version__}, {n_params / 1e9:.3f}B parameters, bf16, "
+          f"grad checkpointing, {'compiled' if compile else 'eager'} layers")
 
     def config(size=8, budget=0):
         return Config(num_iterations=1, temperature=1.0, logprob_chunk=args.chunk, beta=0.04, loss_agg="token_mean",
@@ -251,9 +266,7 @@ def main(argv=None):
             del batches
             torch.cuda.empty_cache()
     out["sweep"] = sweep
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(out, f, indent=1)
+    return out
 
 
 if __name__ == "__main__":

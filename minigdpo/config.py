@@ -164,6 +164,8 @@ class Config:
     """Pack a micro-batch's prompts (once) and completions into one row, no padding, for all but attention, in the
     models the fast pass accepts (Llama, Mistral, Qwen2/3, Phi-3, OLMo-2, sliding windows included; others run their
     own forward: docs/performance.md, "Which models"). throughput/padding_frac shows the padding left."""
+    compile: str = "auto"
+    """Compile each decoder layer (torch.compile, dynamic shapes): true, false, or auto (on with CUDA, off on CPU)."""
     ref_offload: bool = False
     """Keep the frozen reference model's shards in CPU memory."""
     sharding: str = "auto"
@@ -213,8 +215,8 @@ PRESETS = {
 CHOICES = {"estimator": tuple(ESTIMATORS), "task": tuple(TASKS), "loss_agg": AGGREGATIONS + tuple(TRL_NAMES),
            "preset": tuple(PRESETS), "lr_schedule": ("cosine", "constant"), "sampler": ("auto", "hf", "vllm"),
            "dtype": ("auto", "bf16", "fp32"), "length_unit": ("tokens", "words"), "answer_format": ("answer", "boxed"),
-           "on_save_error": ("stop", "continue"), "sharding": ("auto", "fsdp", "hsdp"),
-           "reduce_grads": ("step", "micro_batch"), "gd2po_mode": ("hard", "snr"),
+           "on_save_error": ("stop", "continue"), "sharding": ("auto", "fsdp", "hsdp"), "gd2po_mode": ("hard", "snr"),
+           "reduce_grads": ("step", "micro_batch"), "compile": ("auto", "true", "false"),
            "reward_model_placement": ("auto", "resident", "offload", "shard")}
 
 

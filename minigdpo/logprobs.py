@@ -257,6 +257,16 @@ class LogProbModel(nn.Module):
             for layer in decoder_layers(lm):
                 layer.layer_packed = layer_packed.__get__(layer)
 
+    def compile_layers(self):
+        """torch.compile each decoder layer's own forward, with dynamic shapes. The region is the layer's math
+        alone: FSDP2's all-gathers and reduce-scatters run in the hooks around it (dist.shard registers layer_packed,
+        which calls layer.forward), checkpointing wraps it and runs it again in the backward, the attention kernel is
+        chosen outside it (layer_packed), and the chunked head and the loss stay eager. A layer compiles once per
+        kind of call (packed or the model's own forward; with or without gradient; its window), not per shape."""
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)  # the kinds above
+        for layer in decoder_layers(self.lm):
+            layer.forward = torch.compile(layer.forward, dynamic=True)
+
     def forward(self, mb, temperature=1.0, chunk=1024, entropy=False):
         """mb: a MicroBatch (minigdpo/microbatch.py). Returns (N, T) log-probs, and entropies with entropy=True."""
         if not self.fast or mb.packed is None:  # the model's own forward, head included, on full sequences

@@ -42,7 +42,7 @@ def shard_reader(path, lm):
     return read
 
 
-def build(path, device, compute_dtype, grad_checkpointing=False, frozen=False, offload=False, lora=None):
+def build(path, device, compute_dtype, grad_checkpointing=False, frozen=False, offload=False, lora=None, compile=False):
     """Build on the meta device, wrap for log-probs, shard with FSDP2 over all ranks, then have each
     rank read only its own shards, so no rank ever holds the whole model (start-up host memory:
     this rank's shards plus the read rows, about 1.5 x fp32 model / world for a bf16 checkpoint).
@@ -50,7 +50,8 @@ def build(path, device, compute_dtype, grad_checkpointing=False, frozen=False, o
     The trained model keeps fp32 master weights and computes in compute_dtype; the frozen
     reference needs no master copy and is loaded in compute_dtype directly (half the memory in bf16).
     With `lora` (lora.Settings) peft's adapters are injected before sharding: the frozen base is
-    loaded in compute_dtype like the reference, and only the adapters keep fp32 master weights.
+    loaded in compute_dtype like the reference, and only the adapters keep fp32 master weights. compile=True
+    compiles each decoder layer's forward (LogProbModel.compile_layers).
     """
     dtype = compute_dtype if frozen or lora else torch.float32
     lm = empty_model(path, dtype)
@@ -63,6 +64,8 @@ def build(path, device, compute_dtype, grad_checkpointing=False, frozen=False, o
     if grad_checkpointing and not frozen:
         lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model = LogProbModel(lm)
+    if compile:  # each layer's own forward, inside FSDP2's hooks and checkpointing (LogProbModel.compile_layers)
+        model.compile_layers()
     if lora:
         model.lora = True
     if frozen:

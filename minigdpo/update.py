@@ -144,8 +144,10 @@ def normaliser(batches, cfg):
 def update(model, opt, sched, batches, cfg):
     """num_iterations optimizer steps over the micro-batches; returns this rank's statistics by name
     (sums over the first pass, as SUMMED lists, and ratio_min, ratio_max, grad_norm, skipped_steps)."""
-    totals = {k: torch.zeros((), device=dist.device()) for k in SUMMED}
-    totals |= {"ratio_min": torch.tensor(math.inf), "ratio_max": torch.tensor(-math.inf), "skipped_steps": 0}
+    device = dist.device()  # every statistic stays there: the update waits for the device only where it must
+    totals = {k: torch.zeros((), device=device) for k in SUMMED + ("skipped_steps",)}
+    totals |= {"ratio_min": torch.full((), math.inf, device=device),
+               "ratio_max": torch.full((), -math.inf, device=device)}
     agg, norm = aggregation(cfg.loss_agg), normaliser(batches, cfg)
     for it in range(cfg.num_iterations):
         opt.zero_grad(set_to_none=True)
@@ -163,14 +165,15 @@ def update(model, opt, sched, batches, cfg):
                           "gap": ((old - mb.sampler_logp).abs() * mb.mask).sum()}  # sampler vs trainer
                 for k in SUMMED:
                     totals[k] = totals[k] + stats[k]
-                totals["ratio_min"] = torch.minimum(totals["ratio_min"].to(logp.device), stats["ratio_min"])
-                totals["ratio_max"] = torch.maximum(totals["ratio_max"].to(logp.device), stats["ratio_max"])
+                totals["ratio_min"] = torch.minimum(totals["ratio_min"], stats["ratio_min"])
+                totals["ratio_max"] = torch.maximum(totals["ratio_max"], stats["ratio_max"])
         grad_norm = clip_grad(model, cfg.max_grad_norm)
-        if torch.isfinite(grad_norm):  # a NaN/inf gradient skips the step instead of poisoning the weights
-            opt.step()
-            sched.step()
-        else:
-            totals["skipped_steps"] += 1
+        # A NaN/inf gradient skips the step instead of poisoning the weights: fused AdamW reads found_inf on the
+        # device (as under a GradScaler), so no host waits for the norm; the learning-rate schedule moves on.
+        opt.found_inf = (~torch.isfinite(grad_norm)).float()
+        opt.step()
+        sched.step()
+        totals["skipped_steps"] = totals["skipped_steps"] + opt.found_inf
         totals["grad_norm"] = grad_norm
     opt.zero_grad(set_to_none=True)  # free the gradients before the sampler wakes up
     return totals
@@ -231,4 +234,4 @@ def step_metrics(totals):
             "loss/ratio_min": dist.all_reduce(totals["ratio_min"].float(), op="min").item(),
             "loss/ratio_max": dist.all_reduce(totals["ratio_max"].float(), op="max").item(),
             "entropy": sums["entropy"] / tokens, "grad_norm": totals["grad_norm"].item(),
-            "sampler/logp_gap": sums["gap"] / tokens, "loss/skipped_steps": totals["skipped_steps"]}
+            "sampler/logp_gap": sums["gap"] / tokens, "loss/skipped_steps": int(totals["skipped_steps"].item())}

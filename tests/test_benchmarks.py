@@ -9,6 +9,8 @@ import re
 import subprocess
 import sys
 
+import pytest
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SMALL_QWEN2 = ["--layers", "2", "--hidden", "64", "--heads", "4", "--kv-heads", "2", "--intermediate", "128",
                "--vocab", "4096"]
@@ -34,6 +36,20 @@ def test_the_fast_pass_check_tells_a_right_pass_from_a_wrong_one():
     rows = {tuple(line.split()[:2]): [float(x) for x in line.split()[2:6]] for line in out.splitlines()[1:5]}
     assert max(rows["float32", "right"]) < 1e-5 and min(rows["float32", "wrong"]) > 1e-4
     assert max(rows["bfloat16", "right"]) < 1.0
+
+
+def test_the_op_count_per_layer_runs_for_both_layouts():
+    out = bench("update_ops.py")
+    rows = [line.split() for line in out.splitlines() if line.startswith(("packed", "padded"))]
+    assert len(rows) == 4 and all(0 < int(r[3]) < int(r[2]) < int(r[4]) for r in rows)  # attention's < forward < bwd
+
+
+@pytest.mark.slow
+def test_the_compiled_update_benchmark_compares_with_eager():
+    out = bench("compiled_update.py", "--layers", "2", "--hidden", "64", "--heads", "4", "--kv-heads", "2",
+                "--intermediate", "128", "--vocab", "512", "--seqs", "8", "--reps", "1")
+    assert "eager" in out and "compiled" in out
+    assert float(re.search(r"max \|difference\| ([\d.e+-]+)", out).group(1)) < 1e-5
 
 
 def test_logprob_memory_benchmark_compares_chunked_with_naive():

@@ -176,6 +176,17 @@ def _windowless(packed, windows):
     return packed
 
 
+def test_a_micro_batch_holds_no_mask_until_its_pass_runs():
+    """A step's micro-batches hold index vectors only, linear in their tokens; the (N, 1, T, P + T) biases are made
+    when a pass runs (Packed.attending) and live as long as it (a reasoning-length step's masks were gigabytes)."""
+    for mb in batches(seed=7, size=4, prompts=3, pack=True):
+        fields = [v for v in vars(mb.packed).values() if isinstance(v, torch.Tensor)]
+        assert mb.packed.bias == {} and max(t.numel() for t in fields) <= mb.prompt_ids.numel() + mb.completion_ids.numel()
+        with_bias = mb.packed.attending(torch.float32, {None})
+        (N, T), P = mb.completion_ids.shape, mb.prompt_ids.shape[1]
+        assert with_bias.bias[None][1].shape == (N, 1, T, P + T) and mb.packed.bias == {}
+
+
 def test_completions_of_no_tokens_build_in_both_layouts_and_change_no_loss():
     """A completion of zero tokens: every layout builds, the other log-probs are unchanged, and the loss under a
     token aggregation is the loss without it (a custom sampler or engine may return one)."""
