@@ -69,12 +69,16 @@ CONDITION = "--condition 'length_ok:correct>=1'"
 ARMS = {"gdpo": ("--estimator gdpo", ("arith", "arith_length")), "grpo": ("--estimator grpo", ("arith", "arith_length")),
         "gdpo+cond": (f"--estimator gdpo {CONDITION}", ("arith_length",)),
         "grpo+cond": (f"--estimator grpo {CONDITION}", ("arith_length",)),
-        "gd2po": ("--estimator gd2po", ("arith_length",)), "saw_gdpo": ("--estimator saw_gdpo", ("arith_length",))}
+        "gd2po": ("--estimator gd2po", ("arith_length",)), "saw_gdpo": ("--estimator saw_gdpo", ("arith_length",)),
+        # Added 2026-11-26, before any of its runs: GD2PO and SAW-GDPO are built on verl-GDPO's batch step
+        # (token-weighted whitening, eps 1e-6), the `gdpo` arm on TRL's; a successor minus `gdpo_verl` is its own change.
+        "gdpo_verl": ("--estimator gdpo_verl", ("arith_length",))}
 # The comparisons, fixed before any result: a - b, paired by seed. A comparison is open at 6 seeds when its interval
 # on held-out `correct` or `length_ok` holds 0; then seeds 6-11 go to both its arms (`--seeds 6-11 --arms ...`).
 COMPARISONS = {"arith": [("gdpo", "grpo")],
                "arith_length": [("gdpo", "grpo"), ("gdpo+cond", "gdpo"), ("gdpo+cond", "grpo+cond"), ("gd2po", "gdpo"),
-                                ("saw_gdpo", "gdpo")]}
+                                ("saw_gdpo", "gdpo"), ("gd2po", "gdpo_verl"), ("saw_gdpo", "gdpo_verl"),
+                                ("gdpo_verl", "gdpo")]}
 # Two-sided 95% quantiles of Student's t by degrees of freedom (t_0.975), for intervals over a few seeds.
 T975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262, 10: 2.228,
         11: 2.201, 12: 2.179, 13: 2.160, 14: 2.145, 15: 2.131, 16: 2.120, 17: 2.110, 18: 2.101, 19: 2.093}
