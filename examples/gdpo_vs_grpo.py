@@ -32,15 +32,26 @@ GDPO's two successors at their defaults, `gd2po` and `saw_gdpo` (see ARMS below 
 Statistics (computed from the runs' entries, written with them to docs/results/gdpo_vs_grpo.json):
 - per arm, the mean over seeds and a 95% Student-t interval of each held-out metric and of each training
   reward averaged over the last three steps;
-- for each comparison a - b in COMPARISONS, the paired difference (same seed: same prompts at every step, same
-  held-out problems), its mean, a 95% percentile-bootstrap interval over the seeds both arms ran (10,000
-  resamples, seed 0) and the seeds where a wins, ties and loses;
+- for each comparison a - b in COMPARISONS, the paired differences d over the n seeds both arms ran (same seed:
+  same prompts at every step, same held-out problems), and of them: the mean; a 95% percentile-bootstrap interval
+  (10,000 resamples, seed 0); the paired Student-t 95% interval, mean +- t_0.975(n-1) sd/sqrt(n) (T975), and its
+  two-sided p-value for a mean of 0 (t's CDF from the regularised incomplete beta function, no scipy); the exact
+  two-sided sign-flip (permutation) p-value, the fraction of all 2^n sign assignments of d whose mean is at least as far
+  from 0 as the observed one (above 16 seeds, 65,536 random assignments, seed 0, p = (1 + hits) / (1 + 65,536));
+  and the seeds where a wins, ties and loses (|d| <= 1e-9 a tie). With few seeds the bootstrap interval is the
+  narrower (its spread is the seeds' own, over n not n - 1, its quantiles near the normal's, not t's: about 15%
+  narrower at 12 seeds), so a claim should rest on the tests;
+- Holm's step-down correction over each family of tests fixed in advance together (HOLM_FAMILIES, in
+  arith_length: the first five comparisons on held-out `correct` and `length_ok`, 10 tests; the three against
+  gdpo_verl, added later, 6 tests), of the sign-flip p-values and of the t-test's; a family's m counts every test
+  it was fixed with, one with no paired seeds yet as p = 1;
 - adv/distinct_per_group, the distinct advantage values per group averaged over the steps (G=8 at most):
   GRPO's reward collapse, measured in the real run.
 """
 
 import argparse
 import json
+import math
 import os
 import shutil
 import subprocess
@@ -79,6 +90,15 @@ COMPARISONS = {"arith": [("gdpo", "grpo")],
                "arith_length": [("gdpo", "grpo"), ("gdpo+cond", "gdpo"), ("gdpo+cond", "grpo+cond"), ("gd2po", "gdpo"),
                                 ("saw_gdpo", "gdpo"), ("gd2po", "gdpo_verl"), ("saw_gdpo", "gdpo_verl"),
                                 ("gdpo_verl", "gdpo")]}
+# The families of tests that Holm's correction runs over: each fixed in advance together, every comparison in it on
+# each of HOLM_METRICS, the rewards that pull against each other.
+HOLM_METRICS = ("heldout/reward/correct", "heldout/reward/length_ok")
+HOLM_FAMILIES = {"arith_length": {
+    # fixed with the comparisons (commit 115b0b7): 5 comparisons x 2 metrics = 10 tests
+    "conflict": [("gdpo", "grpo"), ("gdpo+cond", "gdpo"), ("gdpo+cond", "grpo+cond"), ("gd2po", "gdpo"),
+                 ("saw_gdpo", "gdpo")],
+    # added 2026-11-26, before any gdpo_verl run: 3 x 2 = 6 tests
+    "gdpo_verl": [("gd2po", "gdpo_verl"), ("saw_gdpo", "gdpo_verl"), ("gdpo_verl", "gdpo")]}}
 # Two-sided 95% quantiles of Student's t by degrees of freedom (t_0.975), for intervals over a few seeds.
 T975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262, 10: 2.228,
         11: 2.201, 12: 2.179, 13: 2.160, 14: 2.145, 15: 2.131, 16: 2.120, 17: 2.110, 18: 2.101, 19: 2.093}
@@ -151,14 +171,97 @@ def interval(values):
     return {"mean": mean, "low": mean - half, "high": mean + half, "n": len(x)}
 
 
+def betainc(a, b, x):
+    """The regularised incomplete beta function I_x(a, b), by its continued fraction (A&S 26.5.8) evaluated with
+    Lentz's method, as codeplea/incbeta does; past x = (a+1)/(a+b+2) as 1 - I_(1-x)(b, a), where it converges fast."""
+    if x <= 0.0 or x >= 1.0:
+        return 0.0 if x <= 0.0 else 1.0
+    if x > (a + 1) / (a + b + 2):
+        return 1.0 - betainc(b, a, 1.0 - x)
+    front = math.exp(math.lgamma(a + b) - math.lgamma(a) - math.lgamma(b) + a * math.log(x) + b * math.log1p(-x)) / a
+    f, c, d = 1.0, 1.0, 0.0
+    for i in range(400):
+        m = i // 2
+        if i == 0:
+            num = 1.0
+        elif i % 2 == 0:
+            num = m * (b - m) * x / ((a + 2 * m - 1) * (a + 2 * m))
+        else:
+            num = -(a + m) * (a + b + m) * x / ((a + 2 * m) * (a + 2 * m + 1))
+        d = 1.0 + num * d
+        d = 1.0 / (d if abs(d) > 1e-30 else 1e-30)  # Lentz's guard against a vanishing denominator
+        c = 1.0 + num / c
+        c = c if abs(c) > 1e-30 else 1e-30
+        f *= c * d
+        if abs(1.0 - c * d) < 1e-15:
+            return front * (f - 1.0)
+    raise ArithmeticError(f"betainc({a}, {b}, {x}) did not converge")
+
+
+def t_test_p(t, df):
+    """Two-sided p-value of Student's t with df degrees of freedom: P(|T| >= |t|) = I_(df/(df+t^2))(df/2, 1/2)
+    (A&S 26.7.1)."""
+    x, y = df / (df + t * t), t * t / (df + t * t)  # y: 1 - x without the cancellation near t = 0
+    return 1.0 - betainc(0.5, df / 2, y) if x > (df / 2 + 1) / (df / 2 + 2.5) else betainc(df / 2, 0.5, x)
+
+
+def sign_flip_p(d, draws=65_536):
+    """Two-sided paired permutation test: under "a and b are exchangeable within a seed" each difference's sign is
+    a fair coin, so p = the fraction of sign assignments whose |mean| reaches the observed one. Every one of the 2^n
+    assignments for n <= 16; above, `draws` random ones (seed 0), p = (1 + hits) / (1 + draws)."""
+    d = np.asarray(d, dtype=float)  # [n]
+    n = len(d)
+    if n <= 16:
+        signs = 1 - 2 * ((np.arange(2 ** n)[:, None] >> np.arange(n)) & 1)  # [2^n, n], each assignment once
+    else:
+        signs = np.random.default_rng(0).choice([-1, 1], size=(draws, n))  # [draws, n]
+    hits = int((np.abs(signs @ d) / n >= abs(d.mean()) - 1e-12).sum())  # the tolerance counts exact ties as ties
+    return hits / len(signs) if n <= 16 else (1 + hits) / (1 + draws)
+
+
 def paired(a, b, resamples=10_000):
-    """a - b over paired seeds: mean, 95% percentile-bootstrap interval, and wins / ties / losses of a."""
-    d = np.asarray(a, dtype=float) - np.asarray(b, dtype=float)
+    """a - b over paired seeds: mean, 95% percentile-bootstrap interval (low, high), paired Student-t 95% interval
+    (t_low, t_high) with its two-sided p-value (p_t), the exact sign-flip test's p-value (p_signflip), and wins /
+    ties / losses of a."""
+    d = np.asarray(a, dtype=float) - np.asarray(b, dtype=float)  # [n]
     rng = np.random.default_rng(0)
-    boot = d[rng.integers(0, len(d), size=(resamples, len(d)))].mean(1)
+    boot = d[rng.integers(0, len(d), size=(resamples, len(d)))].mean(1)  # [resamples]
+    t = interval(d)
+    sd = float(d.std(ddof=1)) if len(d) > 1 else None
+    if sd is None:
+        p_t = None
+    elif sd == 0:  # every seed the same difference: certain if it is not 0, and no evidence if it is
+        p_t = 1.0 if t["mean"] == 0 else 0.0
+    else:
+        p_t = t_test_p(float(t["mean"] / (sd / np.sqrt(len(d)))), len(d) - 1)
     return {"mean": float(d.mean()), "low": float(np.percentile(boot, 2.5)), "high": float(np.percentile(boot, 97.5)),
+            "t_low": t["low"], "t_high": t["high"], "p_t": p_t, "p_signflip": sign_flip_p(d),
             "wins": int((d > 1e-9).sum()), "ties": int((abs(d) <= 1e-9).sum()), "losses": int((d < -1e-9).sum()),
             "n": len(d)}
+
+
+def holm(ps):
+    """Holm's step-down adjusted p-values, in the order given: the i-th smallest p times (m - i + 1), made
+    non-decreasing along that order and capped at 1. Rejecting where the adjusted p < alpha holds the family-wise
+    error rate at alpha."""
+    order = sorted(range(len(ps)), key=lambda i: ps[i])
+    adjusted, running = [0.0] * len(ps), 0.0
+    for rank, i in enumerate(order):
+        running = max(running, min(1.0, (len(ps) - rank) * ps[i]))
+        adjusted[i] = running
+    return adjusted
+
+
+def holm_family(pairs, comparisons):
+    """One family's tests (each comparison on each of HOLM_METRICS), their p-values and Holm's adjustment of each
+    kind. m is the whole family: a test whose comparison has no paired seeds yet counts as p = 1 and shows None."""
+    tests = {f"{a} - {b} / {k}": pairs.get(f"{a} - {b}", {}).get(k) for a, b in comparisons for k in HOLM_METRICS}
+    out = {name: {"n": d["n"] if d else 0} for name, d in tests.items()}
+    for kind in ("p_t", "p_signflip"):
+        ps = [d[kind] if d else None for d in tests.values()]
+        for row, p, q in zip(out.values(), ps, holm([1.0 if p is None else p for p in ps])):
+            row |= {kind: p, f"{kind}_holm": None if p is None else q}
+    return out
 
 
 def metrics_of(run):
@@ -183,19 +286,24 @@ def summarise(runs):
                  "paired": {}, "paired_arms": {}, "seeds": {arm: [r["seed"] for r in rs] for arm, rs in arms.items()}}
         by_seed = {arm: {r["seed"]: metrics_of(r) for r in rs} for arm, rs in arms.items()}
         for a, b in COMPARISONS[setting]:
-            if a in by_seed and b in by_seed:
-                seeds = sorted(set(by_seed[a]) & set(by_seed[b]))
+            seeds = sorted(set(by_seed.get(a, ())) & set(by_seed.get(b, ())))
+            if seeds:
                 entry["paired"][f"{a} - {b}"] = {
                     k: paired([by_seed[a][s][k] for s in seeds], [by_seed[b][s][k] for s in seeds]) for k in keys}
                 # Each arm over the same seeds, so that a table's columns and its difference describe one set of runs.
                 entry["paired_arms"][f"{a} - {b}"] = {
                     arm: {k: interval([by_seed[arm][s][k] for s in seeds]) for k in keys} for arm in (a, b)}
+        if setting in HOLM_FAMILIES:
+            entry["holm"] = {name: holm_family(entry["paired"], comparisons)
+                             for name, comparisons in HOLM_FAMILIES[setting].items()}
         entry["wall_s"] = sum(r["wall_s"] for rs in arms.values() for r in rs)
         entry["wall_s_per_arm"] = {arm: sum(r["wall_s"] for r in rs) for arm, rs in arms.items()}
         summary[setting] = entry
     summary["total_wall_s"] = sum(r["wall_s"] for r in runs)
     summary["intervals"] = ("per arm: mean and 95% Student-t interval over seeds; paired: mean of a - b over the seeds "
-                            "both ran, 95% percentile bootstrap over seeds (10,000 resamples, seed 0)")
+                            "both ran, 95% percentile bootstrap over seeds (10,000 resamples, seed 0), 95% paired-t "
+                            "interval and its two-sided p, exact two-sided sign-flip p; Holm over each family fixed in "
+                            "advance")
     return summary
 
 
@@ -208,9 +316,14 @@ def fmt(iv):
 PER_ARM = ("heldout/reward/correct", "heldout/reward/length_ok", "adv/distinct_per_group")
 
 
+def fmt_p(p):
+    return "-" if p is None else "<0.0001" if p < 1e-4 else f"{p:.4f}"
+
+
 def report(summary, markdown=False):
     """Each setting's arms over all their seeds, then its comparisons: both arms' means over the seeds they pair
-    on and the paired difference; as text or markdown tables."""
+    on, the paired difference's mean, its bootstrap and t intervals, the two tests' p-values and wins / ties /
+    losses; then Holm's correction over each family of tests; as text or markdown tables."""
     for setting, entry in summary.items():
         if not isinstance(entry, dict) or "per_arm" not in entry:
             continue
@@ -232,22 +345,42 @@ def report(summary, markdown=False):
             n = next(iter(diffs.values()))["n"]
             if markdown:
                 print(f"\n{setting}, {name}, {n} paired seeds:\n")
-                print(f"| metric | {a} | {b} | {a} - {b} | wins / ties / losses |\n|---|---|---|---|---|")
+                print(f"| metric | {a} | {b} | {a} - {b} | bootstrap 95% | t 95% | p (t) | p (sign-flip) | "
+                      "wins / ties / losses |\n" + "|---" * 9 + "|")
             else:
-                print(f"\n{setting}: {name}, {n} paired seeds")
-                print(f"{'metric':<34} {a:>24} {b:>24} {'difference':>26} {'W/T/L':>7}")
+                print(f"\n{setting}: {name}, {n} paired seeds ({a}, {b}: means; a - b: mean, 95% intervals, p-values)")
+                print(f"{'metric':<30} {a:>9} {b:>9} {'a - b':>7} {'bootstrap':>17} {'t':>17} {'p (t)':>7} "
+                      f"{'p (flip)':>8} {'W/T/L':>7}")
             for k, d in diffs.items():
-                diff = f"{d['mean']:+.3f} [{d['low']:+.3f}, {d['high']:+.3f}]"
-                cells = (fmt(entry["paired_arms"][name][a][k]), fmt(entry["paired_arms"][name][b][k]))
+                arms = entry["paired_arms"][name]
+                boot = f"[{d['low']:+.3f}, {d['high']:+.3f}]"
+                t = "-" if d["t_low"] is None else f"[{d['t_low']:+.3f}, {d['t_high']:+.3f}]"
+                wtl = f"{d['wins']}/{d['ties']}/{d['losses']}"
                 if markdown:
-                    print(f"| {k} | {cells[0]} | {cells[1]} | {diff} | {d['wins']} / {d['ties']} / {d['losses']} |")
+                    print(f"| {k} | {fmt(arms[a][k])} | {fmt(arms[b][k])} | {d['mean']:+.3f} | {boot} | {t} | "
+                          f"{fmt_p(d['p_t'])} | {fmt_p(d['p_signflip'])} | {wtl.replace('/', ' / ')} |")
                 else:
-                    print(f"{k:<34} {cells[0]:>24} {cells[1]:>24} {diff:>26} {d['wins']}/{d['ties']}/{d['losses']:<3}")
+                    print(f"{k:<30} {arms[a][k]['mean']:>9.3f} {arms[b][k]['mean']:>9.3f} {d['mean']:>+7.3f} "
+                          f"{boot:>17} {t:>17} {fmt_p(d['p_t']):>7} {fmt_p(d['p_signflip']):>8} {wtl:>7}")
+        for family, tests in entry.get("holm", {}).items():
+            if markdown:
+                print(f"\n{setting}, Holm's correction over the family `{family}` ({len(tests)} tests):\n")
+                print("| family | test | seeds | p (t) | Holm | p (sign-flip) | Holm |\n" + "|---" * 7 + "|")
+            else:
+                print(f"\n{setting}: Holm's correction over the family {family} ({len(tests)} tests, fixed together)")
+                print(f"{'test':<36} {'seeds':>5} {'p (t)':>7} {'Holm':>7} {'p (flip)':>8} {'Holm':>7}")
+            for test, p in tests.items():
+                name = test.replace("heldout/reward/", "")
+                cells = [fmt_p(p[kind]) for kind in ("p_t", "p_t_holm", "p_signflip", "p_signflip_holm")]
+                if markdown:
+                    print(f"| {family} | {name} | {p['n']} | " + " | ".join(cells) + " |")
+                else:
+                    print(f"{name:<36} {p['n']:>5} {cells[0]:>7} {cells[1]:>7} {cells[2]:>8} {cells[3]:>7}")
     if not markdown:
         print(f"\n{summary['intervals']}; total {summary['total_wall_s'] / 60:.0f} min of runs")
 
 
-COLOURS = dict(zip(ARMS, ("tab:blue", "tab:orange", "tab:green", "tab:red", "tab:purple", "tab:brown")))
+COLOURS = dict(zip(ARMS, ("tab:blue", "tab:orange", "tab:green", "tab:red", "tab:purple", "tab:brown", "tab:pink")))
 
 
 def curve_panel(ax, runs, setting, reward, arms, bands=True):

@@ -45,8 +45,8 @@ class Config:
     condition: list = field(default_factory=list)
     """Conditioned rewards (paper Eq. 8), e.g. length_ok:correct>=1. Repeat the flag or separate with commas."""
     estimator: str = "gdpo"
-    """Advantage estimator: gdpo (the paper's TRL code), grpo, grpo_no_std, gdpo_verl, gdpo_nemo (verl's and
-    NeMo-RL's GDPO), or GDPO's successors gd2po, saw_gdpo and saw_grpo. See docs/estimators.md."""
+    """Advantage estimator: gdpo (the paper's TRL code), grpo, gdpo_verl and gdpo_nemo (verl's and NeMo-RL's GDPO),
+    GDPO's successors, ... (minigdpo/estimators.py's REGISTRY; docs/estimators.md compares them)."""
     gd2po_mode: str = "snr"
     """gd2po: drop every rollout whose rewards pull apart (hard), or those that nearly cancel, |rho| < tau (snr)."""
     gd2po_tau: float = 0.8
@@ -275,7 +275,8 @@ def build_parser(description=""):
         group = groups[title]
         flag = "--" + f.name.replace("_", "-")
         default = f.default if f.default is not MISSING else f.default_factory()
-        help_text = f"{docs.get(f.name, '')} (default: {default!r})"
+        choices = f" One of: {', '.join(map(str, CHOICES[f.name]))}." if f.name in CHOICES else ""
+        help_text = f"{docs.get(f.name, '')}{choices} (default: {default!r})"
         if f.type is bool:
             group.add_argument(flag, type=_bool, nargs="?", const=True, default=None, metavar="BOOL", help=help_text)
         elif f.type is list:
@@ -341,8 +342,7 @@ def validate(cfg):
     _check(bool(cfg.model.strip()), "--model must not be empty")
     _check(bool(cfg.output_dir.strip()), "--output-dir must not be empty")
     _check(cfg.seed >= 0, f"--seed must be >= 0, got {cfg.seed}")
-    if cfg.wandb:
-        _check(importlib.util.find_spec("wandb") is not None, "--wandb needs wandb: pip install 'minigdpo[wandb]'")
+    _check(not cfg.wandb or importlib.util.find_spec("wandb"), "--wandb needs wandb: pip install 'minigdpo[wandb]'")
     validate_lora(cfg)
     for name in ("reward_weights", "saw_shift"):
         _check(all(map(math.isfinite, getattr(cfg, name))), f"--{flag(name)} must be finite, got {getattr(cfg, name)}")

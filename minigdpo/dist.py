@@ -89,19 +89,12 @@ def device():
 
 
 def cleanup(error=None):
-    """Destroy the process group, and make sure it is gone: its worker threads joined and its
-    connections closed before this returns, while the interpreter is still whole. A run that every
-    rank finished meets at a barrier first (train.py), so that no rank closes its connections while
-    a peer may still be reading the end of the last collective from them; error paths leave at once.
-
-    torch's destroy_process_group only unregisters a gloo group: it lives on, worker threads and all,
-    until its last reference goes, and a group alive at interpreter exit can abort the process
-    ("terminate called without an active exception": docs/reliability.md says how). The sharded model
-    and optimizer hold the groups, so the caller lets go of them first (train.main does; on an error
-    path the frames of `error`'s traceback, and of its causes, are released here); the device mesh lets
-    go of its groups here, and a collection frees the rest: the groups' destructors join their threads
-    (tests/test_cluster.py counts them on every exit path).
-    """
+    """Destroy the process group and make sure it is gone, its threads joined and connections closed, while the
+    interpreter is still whole (a finished run meets at a barrier first, train.py; error paths leave at once).
+    destroy_process_group only unregisters a gloo group, which lives on until its last reference goes and can
+    abort the process at exit (docs/reliability.md). The model and optimizer hold the groups, so the caller lets go
+    of them first (train.main; on an error path the frames of `error`'s traceback and its causes are released
+    here); the mesh lets go of its groups here, and a collection joins the rest (tests/test_cluster.py counts)."""
     global _mesh
     todo, seen = [error], set()
     while todo:

@@ -5,8 +5,22 @@
 GRPO, GDPO and the peers' GDPOs are in minigdpo/advantages.py, GDPO's successors in minigdpo/successors.py, and
 the loop-over-groups twin of each in minigdpo/advantages_naive.py. REGISTRY holds, for each name, the estimator,
 its group step (its advantages before any batch step), both twins and its own flags; the command line, dynamic
-sampling and the tests all read their lists from it. A new estimator is one function, its naive twin and one
-entry here.
+sampling, examples/collapse.py and the tests all read their lists from it. A new estimator is one function, its
+naive twin, one entry here and its row in docs/estimators.md; tests/test_estimator_contract.py then checks it, as
+every entry, against the contract:
+
+- advantages(rewards (B, G, R), weights (R,) or None, eps=..., lengths=None, **options) -> (B, G), in the rewards'
+  dtype; a batch step sees every group of the global batch;
+- its naive twin, and its group step's, compute the same on nested lists (1e-9 in float64), NaN rewards, weights
+  and lengths included: the twin is the oracle;
+- NaN is "does not apply" and each estimator's docstring states what it does with one; advantages stay finite;
+- lengths (B, G) matter only where `reads_lengths` says so (a batch step weighted by tokens); elsewhere they are
+  ignored;
+- a batch where nothing differs (all rewards equal, or all NaN) gets advantages of 0 (below 1e-6), and a group whose
+  samples' rewards are all equal gets 0 from the group step (below 1e-12: NeMo-RL's leave-one-out mean rounds), so
+  dynamic sampling (informative_groups, tol 1e-6) finds no signal in it;
+- options(cfg) gives its keywords from the run's config (its own flags); the defaults of every keyword are the
+  command line's.
 """
 
 from dataclasses import dataclass
@@ -24,6 +38,7 @@ class Estimator:
     naive: Callable               # the twin of `advantages` on nested lists, the tests' oracle
     naive_group_step: Callable
     options: Callable = lambda cfg: {}  # its keywords, from the run's config (its own flags)
+    reads_lengths: bool = False   # its batch step weighs completions by their tokens (verl's whitening)
 
 
 def _gdpo_group(r, w):
@@ -48,17 +63,17 @@ REGISTRY = {
     "gdpo": Estimator(gdpo, _gdpo_group, naive.gdpo_naive,
                       lambda r, w: naive.grpo_naive(r, w) if len(r[0][0]) == 1 else naive.gdpo_sums(r, w, STD_EPS)),
     "gdpo_verl": Estimator(gdpo_verl, lambda r, w: gdpo_group(r, w, VERL_STD_EPS), naive.gdpo_verl_naive,
-                           lambda r, w: naive.gdpo_sums(r, w, VERL_STD_EPS)),
+                           lambda r, w: naive.gdpo_sums(r, w, VERL_STD_EPS), reads_lengths=True),
     "gdpo_nemo": Estimator(gdpo_nemo, gdpo_nemo_group, naive.gdpo_nemo_naive,
                            lambda r, w: naive.nemo_sums(r, w, NEMO_STD_EPS)),
     "gd2po": Estimator(successors.gd2po,
                        lambda r, w, mode="snr", tau=0.8: successors.gd2po_group(r, w, mode=mode, tau=tau)[0],
                        naive.gd2po_naive,
                        lambda r, w, mode="snr", tau=0.8: naive.gd2po_sums(r, w, VERL_STD_EPS, None, mode, tau)[0],
-                       _gd2po_options),
+                       _gd2po_options, reads_lengths=True),
     "saw_gdpo": Estimator(successors.saw_gdpo, _saw_gdpo_group, naive.saw_gdpo_naive,
                           lambda r, w, shift=None: naive.gdpo_sums(r, naive.saw_times(r, w, shift), VERL_STD_EPS),
-                          _saw_options),
+                          _saw_options, reads_lengths=True),
     "saw_grpo": Estimator(successors.saw_grpo, successors.saw_grpo, naive.saw_grpo_naive, naive.saw_grpo_naive,
                           _saw_options),
 }

@@ -9,13 +9,15 @@ project makes is in this file; tests/check_vllm_contract.py checks each name aga
              **EngineArgs: max_model_len, max_num_seqs, enable_sleep_mode, enable_prefix_caching=True,
              distributed_executor_backend="external_launcher", logprobs_mode="processed_logprobs",
              enforce_eager, kv_cache_memory_bytes)
+    vllm.LLM(..., enable_lora=True, max_loras=1, max_lora_rank)             with LoRA (load_adapters)
+    vllm.lora.request.LoRARequest(lora_name, lora_int_id, lora_path)
     vllm.SamplingParams(n, temperature, top_p, max_tokens, logprobs=0, seed, stop_token_ids, ignore_eos)
     vllm.inputs.TokensPrompt(prompt_token_ids=...)
     vllm.platforms.current_platform.is_sleep_mode_available(), .is_cpu()
-    LLM.generate(prompts, [SamplingParams per prompt], use_tqdm=False) -> [RequestOutput]
+    LLM.generate(prompts, [SamplingParams per prompt], use_tqdm=False, lora_request) -> [RequestOutput]
         RequestOutput.outputs -> [CompletionOutput(token_ids, logprobs, finish_reason)]
         CompletionOutput.logprobs -> one {token_id: Logprob(logprob, ...)} per generated token
-    LLM.sleep(level=2), LLM.wake_up(tags=["weights"] or ["kv_cache"]), LLM.reset_prefix_cache()
+    LLM.sleep(level=2, or 1 with LoRA), LLM.wake_up(tags=["weights"] or ["kv_cache"]), LLM.reset_prefix_cache()
     LLM.collective_rpc("reload_weights", kwargs={"weights_iterator": iterable of (HF name, tensor)})
     LLM.llm_engine.engine_core.shutdown()
 
@@ -40,17 +42,10 @@ silently serves stale weights (huggingface/trl#5312). `sampler/logp_gap` in the 
 
 Sleep mode exists where vLLM's platform says so (CUDA, not the CPU build: platforms/interface.py:231-236).
 One step: generate(); sleep() once the step is known to update (level 2: weights and KV cache discarded,
-nothing copied to the host, since the sync rewrites every weight); load_weights() wakes the weights and
-streams the new ones in; generate() wakes the KV cache. A step with nothing to learn (dynamic sampling at
-its cap) does not sleep: no sync follows it. generate() refuses weights discarded and not reloaded.
-
-Sampling streams. vLLM draws sample j of a request from the stream `seed + j`
-(vllm/v1/engine/parallel_sampling.py:81), so one seed shared by every prompt would give sample j
-of every prompt the same noise. Each prompt i of a call gets its own seed, `(seed * B + i) * n`:
-its n samples then use the streams `seed * B * n + i * n + j`, one per (prompt, sample), and calls
-with different seeds (train.py adds the rank and the step) use disjoint blocks of B * n streams.
-The CPU build samples on vLLM's V1 path and 0.33.0 on CUDA on V2: the same seed draws other tokens on
-each, and every test of the streams is about the engine in use.
+nothing copied to the host, since the sync rewrites every weight; with LoRA level 1, which keeps the base
+weights in host memory: no sync rewrites them); load_weights() wakes the weights and streams the new ones in;
+generate() wakes the KV cache. A step with nothing to learn (dynamic sampling at its cap) does not sleep: no
+sync follows it. generate() refuses weights discarded and not reloaded. Sampling streams: request_seeds.
 """
 
 import os
@@ -76,6 +71,11 @@ LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # vLLM's max_lora_rank choi
 
 def request_seeds(seed, num_prompts, n):
     """One seed per prompt, n apart, so that (prompt i, sample j) draws from stream seed*B*n + i*n + j.
+
+    vLLM draws sample j of a request from the stream `seed + j` (vllm/v1/engine/parallel_sampling.py:81): one
+    seed shared by every prompt would give sample j of every prompt the same noise. Calls with other seeds
+    (train.py adds the rank and the step) use disjoint blocks of B * n streams. The CPU build samples on vLLM's
+    V1 path and 0.33.0 on CUDA on V2: the same seed draws other tokens on each.
 
     Kept below 2**62, so that seed + j stays an int64 too: the V2 model runner stores seeds as int64
     (vllm/v1/worker/gpu/sample/states.py:58).

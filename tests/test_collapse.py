@@ -54,7 +54,11 @@ def test_cli_prints_table(capsys):
     main(["--max-group", "4", "--max-rewards", "3"])
     out = capsys.readouterr().out
     assert all(name in out for name in COUNTED)
-    assert "\n  2            2            3            3            3            3            3\n" in out  # G = 2, every estimator
+    lines = out.splitlines()
+    header = next(line.split() for line in lines if line.split()[:1] == ["G"])  # the first table: R = 2, G varies
+    row = next(line.split() for line in lines if line.split()[:1] == ["2"])     # its row at G = 2
+    want = {"grpo": "2", "grpo_no_std": "3", "gdpo": "3", "gdpo_verl": "3", "gdpo_nemo": "3", "gd2po": "3"}
+    assert header[1:] == list(COUNTED) and {k: v for k, v in zip(header[1:], row[1:]) if k in want} == want
 
 
 @pytest.mark.parametrize("G,R", [(3, 2), (4, 2), (4, 3)])
