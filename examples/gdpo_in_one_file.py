@@ -19,8 +19,13 @@ One training step:
 
 This is the algorithm train.py runs, not a sketch of it: tests/test_one_file.py gives this file and train.py's
 path (micro-batches, the shared-prefix and padding-free passes, the chunked head, FSDP2) the same prompts,
-completions and rewards, and checks that they compute the same advantages, loss, KL and gradients, and take
-the same optimizer step. README.md ("Reading the code") says where each system train.py adds lives, and why.
+completions and rewards for three steps, each side with its own optimizer and defaults (this file's Args and
+train.py's cpu-demo preset), and checks that they compute the same advantages, loss, KL and gradients, and take the
+same optimizer steps. Where they differ on purpose: this file averages the loss over all of a batch's tokens,
+which train.py does with --loss-agg token_mean (its default bnpo, the paper's, weighs each micro-batch alike, the
+same only with one micro-batch); a reward that does not apply counts as 0 here, where train.py's GDPO leaves it out
+of its group's statistics (under GRPO both add it as 0); and there is no learning-rate schedule here. README.md
+("Reading the code") says where each system train.py adds lives, and why.
 
 Shape legend: B prompts, G completions per prompt, R rewards, N = B * G completions, P prompt tokens, T
 completion tokens, V vocabulary.
@@ -94,10 +99,13 @@ OPS = {">=": operator.ge, ">": operator.gt, "<=": operator.le, "<": operator.lt,
 
 
 def apply_condition(rewards, names, spec):
-    """Eq. 8: `target:source>=threshold` keeps reward `target` only where reward `source` passes, else 0."""
+    """Eq. 8: `target:source>=threshold` keeps reward `target` only where reward `source` passes, else 0. A reward's
+    name may hold a colon (mypkg.rewards:polite): the split at the colon that leaves two of the run's rewards."""
     if not spec:
         return rewards
-    target, source, op, threshold = re.fullmatch(r"(\w+):(\w+)(>=|<=|==|>|<)([-\d.eE]+)", spec).groups()
+    pair, op, threshold = re.fullmatch(r"(.+?)(>=|<=|==|>|<)([-\d.eE]+)", spec).groups()
+    target, source = next((pair[:i], pair[i + 1:]) for i, ch in enumerate(pair)
+                          if ch == ":" and pair[:i] in names and pair[i + 1:] in names)
     out = rewards.clone()                                          # (B, G, R)
     passed = OPS[op](rewards[..., names.index(source)], float(threshold))
     out[..., names.index(target)] = torch.where(passed, rewards[..., names.index(target)], 0.0)
@@ -135,6 +143,8 @@ def update(policy, reference, optimizer, batch, rewards, names, args):
     mask = batch["completion_mask"]                                               # (N, T)
     adv = advantages.reshape(-1, 1).float()                                       # (N, 1)
 
+    # With one pass over each batch (train.py's --num-iterations 1) the ratio is exactly 1, so the clip never binds
+    # and the surrogate's gradient is the policy gradient, adv * grad(logp); its clip acts from a second pass on.
     ratio = torch.exp(logp - old_logp)                                            # (N, T)
     clipped = torch.clamp(ratio, 1 - args.clip_low, 1 + args.clip_high)          # (N, T)
     surrogate = -torch.min(ratio * adv, clipped * adv)                            # (N, T) PPO's clipped objective
@@ -170,6 +180,14 @@ def sample(policy, tokenizer, prompts, args):
     return batch, texts
 
 
+def build(path, args):
+    """The policy, its frozen copy (the reference: the KL's anchor) and AdamW at torch's defaults (betas 0.9 and
+    0.999, eps 1e-8), without weight decay, as train.py's cpu-demo preset runs it."""
+    policy = load_model(path, torch.float32).train()
+    reference = load_model(path, torch.float32).eval().requires_grad_(False)
+    return policy, reference, torch.optim.AdamW(policy.parameters(), lr=args.lr, weight_decay=0.0)
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     for f in fields(Args):
@@ -178,9 +196,7 @@ def main(argv=None):
     torch.manual_seed(args.seed)
     path = resolve_model(args.model)
     tokenizer = load_tokenizer(path)
-    policy = load_model(path, torch.float32).train()
-    reference = load_model(path, torch.float32).eval().requires_grad_(False)      # frozen: the KL's anchor
-    optimizer = torch.optim.AdamW(policy.parameters(), lr=args.lr, weight_decay=0.0)
+    policy, reference, optimizer = build(path, args)
     task = load_task(args.task, "", "train", False, {"arith_difficulty": args.arith_difficulty})
     names = args.rewards.split(",") if args.rewards else task.rewards
     scorer = RewardScorer(names)
@@ -199,6 +215,7 @@ def main(argv=None):
         lengths = batch["completion_mask"].sum(-1).tolist()
         per_completion = [ex for ex in examples for _ in range(args.group_size)]
         scores, _ = scorer(texts, per_completion, lengths)                                       # 3. rewards (N, R)
+        # A reward that does not apply (None: NaN) counts as 0 here; train.py's GDPO leaves it out of its group.
         rewards = scores.nan_to_num(0.0).view(B, args.group_size, len(names))                    # (B, G, R)
         advantages, loss, kl = update(policy, reference, optimizer, batch, rewards, names, args)  # 4-6.
         row = {"step": step, **{f"reward/{n}/mean": rewards[..., k].mean().item() for k, n in enumerate(names)},
