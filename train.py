@@ -29,7 +29,7 @@ Launch:
   torchrun --nnodes 2 --nproc_per_node 8 --rdzv_endpoint HOST:29500 train.py --estimator gdpo --output-dir /shared/run
   torchrun --nproc_per_node 2 train.py --preset smoke        # FSDP2 over 2 gloo ranks on CPU, seconds
 
-Shape legend: B prompts per step, G samples per prompt, R rewards, K groups trained on (B; with
+Shape legend: B prompts per step, G samples per prompt, R rewards, S groups the step trains on (B; with
 --dynamic-sampling, those found).
 """
 
@@ -143,11 +143,11 @@ def run_training(argv=None):
             sampler.sleep()
 
         # 4. Advantages over the global batch (GDPO's batch step must see every rank's groups).
-        conditioned = apply_conditions(batch.rewards, names, conditions)                      # (K, G, R) Eq. 8
+        conditioned = apply_conditions(batch.rewards, names, conditions)                      # (S, G, R) Eq. 8
         adv_all = ESTIMATORS[cfg.estimator](conditioned, weights.to(conditioned.device), lengths=batch.lengths,
-                                            **options)                                          # (K, G)
+                                            **options)                                          # (S, G)
         first = dist.rank() * n_groups // dist.world_size()
-        adv = adv_all[first:first + len(batch.prompts)].float().cpu()                         # (this rank's K, G)
+        adv = adv_all[first:first + len(batch.prompts)].float().cpu()                         # (this rank's S, G)
 
         if n_groups == 0:  # --dynamic-sampling at its cap found no group to learn from: no update this step
             totals = None

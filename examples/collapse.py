@@ -38,8 +38,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from minigdpo.advantages import group_zscore  # noqa: E402
-from minigdpo.estimators import ESTIMATORS, informative_groups  # noqa: E402
+from minigdpo.estimators import ESTIMATORS, REGISTRY, informative_groups  # noqa: E402
 
 DECIMALS = 6
 COUNTED = tuple(e for e in ESTIMATORS if not e.startswith("saw_"))  # SAW's weights come from the batch (above)
@@ -125,7 +124,7 @@ def two_sample_example():
     """The paper's smallest case (G=2, two binary rewards): every group and its advantages."""
     groups = enumerate_groups(2, 2)                                # (10, 2, 2)
     grpo = ESTIMATORS["grpo"](groups, None)                        # (10, 2)
-    gdpo_sum = group_zscore(groups).sum(-1)                        # (10, 2) Eq. 4-5, before the batch step
+    gdpo_sum = REGISTRY["gdpo"].group_step(groups, None)           # (10, 2) Eq. 4-5, before the batch step
     lines = [f"{'rewards of the 2 samples':<26} {'grpo advantages':>18} {'gdpo, Eq. 4-5':>18}"]
     for g, a, b in zip(groups.tolist(), grpo.tolist(), gdpo_sum.tolist()):
         pair = f"({g[0][0]:.0f},{g[0][1]:.0f}) vs ({g[1][0]:.0f},{g[1][1]:.0f})"

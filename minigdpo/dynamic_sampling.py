@@ -6,7 +6,7 @@ estimator's own group-level advantages, on the conditioned rewards, are not all 
 what it found, rounded down to a multiple of the world size (none: it skips its update). The groups are then
 dealt out to the ranks in equal shares, in the order they were sampled, each moving to the rank that trains it.
 
-Shape legend: B prompts per step, G samples per prompt, R rewards, K groups trained on.
+Shape legend: B prompts per step, G samples per prompt, R rewards, S groups the step trains on.
 """
 
 import torch
@@ -37,20 +37,20 @@ def sample(step, cursor, order, task, tokenizer, sampler, scorer, cfg, sizes, na
         if len(found) >= B:
             break
     chosen = found[:B] if len(found) >= B else found[:len(found) // world * world]
-    K = len(chosen)
+    S = len(chosen)
     # Each rank's share of the chosen groups, sent by the ranks that sampled them.
     local = {(n, rank * per_rank + i): (r.prompts[i], r.completions[i]) for n, r in enumerate(rounds)
              for i in range(per_rank)}
-    share = [{g: local[g] for g in chosen[r * K // world:(r + 1) * K // world] if g in local} for r in range(world)]
+    share = [{g: local[g] for g in chosen[r * S // world:(r + 1) * S // world] if g in local} for r in range(world)]
     received = {g: group for part in dist.exchange_objects(share) for g, group in part.items()}
-    mine = [received[g] for g in chosen[rank * K // world:(rank + 1) * K // world]]
+    mine = [received[g] for g in chosen[rank * S // world:(rank + 1) * S // world]]
     sampled, kept = len(rounds) * B, len(found)
     stats = {"sampling/rounds": len(rounds), "sampling/groups_sampled": sampled, "sampling/groups_informative": kept,
-             "sampling/groups_trained": K, "sampling/uninformative_frac": 1 - kept / sampled,
-             "sampling/samples_per_trained": sampled / max(K, 1), "sampling/skipped_update": int(K == 0)}
+             "sampling/groups_trained": S, "sampling/uninformative_frac": 1 - kept / sampled,
+             "sampling/samples_per_trained": sampled / max(S, 1), "sampling/skipped_update": int(S == 0)}
 
     def pick(key):
-        return torch.stack([getattr(rounds[n], key)[g] for n, g in chosen]) if K else getattr(rounds[0], key)[:0]
+        return torch.stack([getattr(rounds[n], key)[g] for n, g in chosen]) if S else getattr(rounds[0], key)[:0]
 
     failures = [RewardScorer.merge(part) for part in zip(*[r.failures for r in rounds])]  # per rank
     return Rollout([p for p, _ in mine], [c for _, c in mine], pick("rewards"), pick("lengths"),

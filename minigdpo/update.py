@@ -21,8 +21,9 @@ runs; the paper's trl-0.18 code has all but dapo):
 
 - micro_batch_token_mean is the paper's: the default `loss_type="bnpo"` of its released trl-0.18 code
   (NVlabs/GDPO trl-GDPO). Each micro-batch weighs the same whatever its token count, so the result
-  depends on how a batch is cut: TRL cuts a random permutation of the sequences, minigdpo whole groups
-  in order of prompt length (micro_batches).
+  depends on how a batch is cut: TRL cuts a random permutation of the sequences; minigdpo cuts --micro-batch-size
+  sequences at a time, prompts in order of length (microbatch.by_count: a group may straddle two micro-batches),
+  or whole groups by tokens (--micro-batch-tokens).
 - token_mean (DAPO) divides by the global token count, so gradient accumulation over micro-batches
   (and ranks) gives exactly the gradient of one large batch.
 - seq_mean_token_mean is the original GRPO objective; seq_mean_token_sum_norm is Dr. GRPO, whose
@@ -57,7 +58,8 @@ def aggregation(name):
 
 def policy_loss(logp, old_logp, ref_logp, advantages, mask, *, clip_low=0.2, clip_high=0.2, beta=0.04,
                 agg="micro_batch_token_mean", norm=None, sampler_logp=None, importance_sampling_cap=0.0):
-    """Return (loss, metrics) for one micro-batch: a pure function of its tensors.
+    """Return (loss, metrics) for one micro-batch: a pure function of its tensors. With --num-iterations 1 old_logp is
+    logp detached: the ratio is 1, the clip never binds (the gradient is adv * grad(logp)); it acts from a 2nd pass.
 
     logp, old_logp, ref_logp, mask: (N, T); advantages: (N,). ref_logp may be None when beta == 0.
     norm: the aggregation's normaliser (module docstring's table): micro-batches per step for
@@ -125,7 +127,7 @@ def fill_logprobs(model, batches, key, cfg, reshard=False):
 
 # The update --------------------------------------------------------------------------------------
 
-SUMMED = ("tokens", "loss", "pg_loss", "kl", "clip_low", "clip_high", "ratio", "entropy", "gap")
+UPDATE_SUMS = ("tokens", "loss", "pg_loss", "kl", "clip_low", "clip_high", "ratio", "entropy", "gap")
 
 
 def normaliser(batches, cfg):
@@ -143,9 +145,9 @@ def normaliser(batches, cfg):
 
 def update(model, opt, sched, batches, cfg):
     """num_iterations optimizer steps over the micro-batches; returns this rank's statistics by name
-    (sums over the first pass, as SUMMED lists, and ratio_min, ratio_max, grad_norm, skipped_steps)."""
+    (sums over the first pass, as UPDATE_SUMS lists, and ratio_min, ratio_max, grad_norm, skipped_steps)."""
     device = dist.device()  # every statistic stays there: the update waits for the device only where it must
-    totals = {k: torch.zeros((), device=device) for k in SUMMED + ("skipped_steps",)}
+    totals = {k: torch.zeros((), device=device) for k in UPDATE_SUMS + ("skipped_steps",)}
     totals |= {"ratio_min": torch.full((), math.inf, device=device),
                "ratio_max": torch.full((), -math.inf, device=device)}
     agg, norm = aggregation(cfg.loss_agg), normaliser(batches, cfg)
@@ -163,7 +165,7 @@ def update(model, opt, sched, batches, cfg):
             if it == 0:
                 stats |= {"loss": loss.detach(), "entropy": (entropy * mb.mask).sum(),
                           "gap": ((old - mb.sampler_logp).abs() * mb.mask).sum()}  # sampler vs trainer
-                for k in SUMMED:
+                for k in UPDATE_SUMS:
                     totals[k] = totals[k] + stats[k]
                 totals["ratio_min"] = torch.minimum(totals["ratio_min"], stats["ratio_min"])
                 totals["ratio_max"] = torch.maximum(totals["ratio_max"], stats["ratio_max"])
@@ -225,7 +227,7 @@ def clip_grad(model, max_norm):
 
 def step_metrics(totals):
     """The update's statistics, reduced over ranks, as the per-token means metrics.jsonl logs."""
-    sums = dict(zip(SUMMED, dist.all_reduce(torch.stack([totals[k].float() for k in SUMMED])).tolist()))
+    sums = dict(zip(UPDATE_SUMS, dist.all_reduce(torch.stack([totals[k].float() for k in UPDATE_SUMS])).tolist()))
     tokens = max(sums["tokens"], 1.0)
     return {"loss": sums["loss"] / dist.world_size(),  # each rank's loss carries the 1/world of its normaliser
             "loss/pg": sums["pg_loss"] / tokens, "kl": sums["kl"] / tokens,

@@ -192,7 +192,7 @@ class RewardScorer:
     """
 
     KINDS = ("errors", "timeouts", "invalid", "none")
-    SUMMED = KINDS + ("truncated", "model_seconds")  # a reward model adds these and "model_gib" (reward_model.py)
+    ADDED = KINDS + ("truncated", "model_seconds")  # added up over batches and ranks; a reward model adds these two
 
     def __init__(self, reward_names, timeout=10.0, max_timeouts=3):
         self.rewards = [get(n) for n in reward_names]
@@ -223,7 +223,7 @@ class RewardScorer:
             for name, s in part.items():
                 merged = out.setdefault(name, dict.fromkeys(cls.KINDS, 0))
                 for key, value in s.items():
-                    if key in cls.SUMMED:
+                    if key in cls.ADDED:
                         merged[key] = merged.get(key, 0) + value
                     elif key == "model_gib":
                         merged[key] = max(merged.get(key, 0.0), value)
