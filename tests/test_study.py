@@ -11,10 +11,12 @@ import math
 import os
 import re
 import statistics
+import sys
 
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "examples"))  # the study imports its statistics (study_stats.py) from there
 spec = importlib.util.spec_from_file_location("gdpo_vs_grpo", os.path.join(ROOT, "examples", "gdpo_vs_grpo.py"))
 study = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(study)
