@@ -16,8 +16,8 @@ computes exactly the same numbers, and is the test oracle's subject, with three 
   the projections, norms and MLP, and only attention sees them in padded rows (--padding-free false keeps
   the padding in the row, which computes the same numbers at its cost).
 
-The fast pass reproduces a model's forward only where `fast_pass_refusal` says it does (Llama, Mistral, Qwen2,
-Qwen3; full attention or sliding windows, as banded masks; SDPA or eager kernels). Every other model runs
+The fast pass reproduces a model's forward only where `fast_pass_refusal` says it does (Llama, Mistral, Qwen2/3,
+Phi-3, OLMo-2; full attention or sliding windows, as banded masks; SDPA or eager kernels). Every other model runs
 naive_logprobs itself, its own forward with its own head, and the run says so once. Each run also checks itself
 (`check_fast_pass`): on its first micro-batch, the fast pass against the model's own forward, and a difference
 beyond rounding sends it to its own forward for good: a model nobody tested is safe by construction.
