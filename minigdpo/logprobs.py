@@ -169,7 +169,7 @@ def packed_attention(module, query, key, value, attention_mask, dropout=0.0, sca
     """Attention over a packed row, as transformers calls an attention function: query (1, h, L, d), key and
     value (1, kv, L, d), attention_mask a Packed layout with its biases. The projections, norms and MLP ran on the
     L packed tokens; here q, k and v are copied, in one index_copy, into padded rows (prompts (b, P); completions
-    (N, T), their prompt's keys in front), the key-value heads repeated for their query heads in one copy, SDPA runs
+    (N, T), their prompt's keys in front), the key-value heads repeated for their query heads, SDPA runs
     on those rows with the layer's bias (its sliding window, if any), and one index_select reads the outputs back
     into the packed row. Their backwards are a gather and an index_add over distinct rows, and splits, not slices,
     part the rows: no whole-row buffer of zeros in the backward. Few ops per layer: a host that issues kernels one
@@ -180,9 +180,8 @@ def packed_attention(module, query, key, value, attention_mask, dropout=0.0, sca
     qkv = torch.cat([query, key, value], dim=1).squeeze(0).transpose(0, 1)  # (L, h + 2kv, d)
     rows = qkv.new_zeros(b * P + N * T, h + 2 * kv, d).index_copy(0, pk.dest, qkv)  # (b*P + N*T, h + 2kv, d)
     q, kv_rows = rows.split([h, 2 * kv], dim=1)
-    kv_rows = kv_rows.view(-1, 2, kv, 1, d).expand(-1, -1, -1, h // kv, -1).reshape(-1, 2, h, d)  # (rows, 2, h, d)
     (q_p, q_t), (kv_p, kv_t) = q.split([b * P, N * T]), kv_rows.split([b * P, N * T])
-    kv_p, kv_t = kv_p.view(b, P, 2, h, d), kv_t.view(N, T, 2, h, d)
+    kv_p, kv_t = kv_p.view(b, P, 2 * kv, d), kv_t.view(N, T, 2 * kv, d)
     out_p = attend(q_p.view(b, P, h, d), kv_p, prompt_bias, dropout, scaling)                        # (b * P, h, d)
     out_t = attend(q_t.view(N, T, h, d), torch.cat([kv_p.index_select(0, pk.owner), kv_t], dim=1), tail_bias,
                    dropout, scaling)                                                                 # (N * T, h, d)
@@ -190,8 +189,11 @@ def packed_attention(module, query, key, value, attention_mask, dropout=0.0, sca
 
 
 def attend(q, kv, bias, dropout, scaling):
-    """SDPA of q (r, s, h, d) over keys and values kv (r, u, 2, h, d), with an additive bias (r, 1, s, u)."""
-    (r, s, h, d), (k, v) = q.shape, kv.unbind(2)  # unbind, not two selects: one stack in the backward, no zeros
+    """SDPA of q (r, s, h, d) over keys and values kv (r, u, 2 kv heads, d), with an additive bias (r, 1, s, u): the
+    key-value heads repeated for their query heads in one copy of k and v together, of these rows only."""
+    (r, s, h, d), u = q.shape, kv.shape[1]
+    kv = kv.view(r, u, 2, -1, 1, d).expand(-1, -1, -1, -1, h * 2 // kv.shape[2], -1).reshape(r, u, 2, h, d)
+    k, v = kv.unbind(2)  # unbind, not two selects: one stack in the backward, no buffers of zeros
     out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=bias,
                                          dropout_p=dropout, scale=scaling)                          # (r, h, s, d)
     return out.transpose(1, 2).reshape(r * s, h, d)                        # (r * s, h, d)
@@ -258,11 +260,10 @@ class LogProbModel(nn.Module):
                 layer.layer_packed = layer_packed.__get__(layer)
 
     def compile_layers(self):
-        """torch.compile each decoder layer's own forward, with dynamic shapes. The region is the layer's math
-        alone: FSDP2's all-gathers and reduce-scatters run in the hooks around it (dist.shard registers layer_packed,
-        which calls layer.forward), checkpointing wraps it and runs it again in the backward, the attention kernel is
-        chosen outside it (layer_packed), and the chunked head and the loss stay eager. A layer compiles once per
-        kind of call (packed or the model's own forward; with or without gradient; its window), not per shape."""
+        """torch.compile each decoder layer's own forward, with dynamic shapes: the layer's math alone. FSDP2's
+        collectives run in the hooks around it (layer_packed, which dist.shard registers, calls layer.forward),
+        checkpointing wraps it, the attention kernel is chosen outside it, the head and the loss stay eager. A layer
+        compiles once per kind of call (packed or its own forward; with or without gradient; its window)."""
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)  # the kinds above
         for layer in decoder_layers(self.lm):
             layer.forward = torch.compile(layer.forward, dynamic=True)
@@ -312,9 +313,8 @@ class LogProbModel(nn.Module):
 
 @torch.no_grad()
 def check_fast_pass(model, mb, temperature, bound):
-    """The run checks itself once: the largest |fast pass - the model's own forward| over a micro-batch's tokens,
-    the largest of every rank's. Beyond `bound` (FAST_PASS_BOUND: rounding), the model falls back to its own
-    forward for good. Every rank must call it (both passes are collectives under FSDP2)."""
+    """The run checks itself once: the largest |fast pass - the model's own forward| over a micro-batch's tokens, of
+    every rank's; beyond `bound` (FAST_PASS_BOUND) the model runs its own forward for good. Every rank calls it."""
     fast = model(mb, temperature)                                           # (N, T)
     model.fast = False
     own = model(mb, temperature)                                            # (N, T)

@@ -110,17 +110,12 @@ def policy_loss(logp, old_logp, ref_logp, advantages, mask, *, clip_low=0.2, cli
     return loss, metrics
 
 
-def logprobs(model, mb, cfg, entropy=False):
-    """The model's per-token log-probs (N, T) of a micro-batch's completions (and entropies)."""
-    return model(mb, cfg.temperature, cfg.logprob_chunk, entropy)
-
-
 @torch.no_grad()
 def fill_logprobs(model, batches, key, cfg, reshard=False):
     """Store a no-grad log-prob pass (reference or old policy) in each micro-batch's `key` field;
     reshard=True then frees the parameters FSDP2 keeps gathered for a backward (none for the reference)."""
     for mb in batches:
-        setattr(mb, key, logprobs(model, mb, cfg))
+        setattr(mb, key, model(mb, cfg.temperature, cfg.logprob_chunk))  # (N, T) log-probs
     if reshard:
         dist.reshard(model)
 
@@ -156,7 +151,7 @@ def update(model, opt, sched, batches, cfg):
         for i, mb in enumerate(batches):
             last = i == len(batches) - 1  # gradients cross ranks once per optimizer step (cfg.reduce_grads)
             dist.reduce_gradients(model, reduce_scatter=last or cfg.reduce_grads == "micro_batch", all_reduce=last)
-            logp, entropy = logprobs(model, mb, cfg, entropy=True)
+            logp, entropy = model(mb, cfg.temperature, cfg.logprob_chunk, entropy=True)  # (N, T) each
             old = logp.detach() if mb.old_logp is None else mb.old_logp  # 1 iteration: the sampling policy is this one
             loss, stats = policy_loss(logp, old, mb.ref_logp, mb.adv, mb.mask, clip_low=cfg.clip_low,
                                       clip_high=cfg.clip_high, beta=cfg.beta, agg=agg, norm=norm,
