@@ -190,12 +190,13 @@ def packed_attention(module, query, key, value, attention_mask, dropout=0.0, sca
 
 def attend(q, kv, bias, dropout, scaling):
     """SDPA of q (r, s, h, d) over keys and values kv (r, u, 2 kv heads, d), with an additive bias (r, 1, s, u): the
-    key-value heads repeated for their query heads in one copy of k and v together, of these rows only."""
+    key-value heads repeated for their query heads, one copy each of k and v, of these rows only (contiguous: a
+    compiled layer's backward met strided views of one joint copy with the wrong strides)."""
     (r, s, h, d), u = q.shape, kv.shape[1]
-    kv = kv.view(r, u, 2, -1, 1, d).expand(-1, -1, -1, -1, h * 2 // kv.shape[2], -1).reshape(r, u, 2, h, d)
-    k, v = kv.unbind(2)  # unbind, not two selects: one stack in the backward, no buffers of zeros
-    out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=bias,
-                                         dropout_p=dropout, scale=scaling)                          # (r, h, s, d)
+    k, v = (t.transpose(1, 2)[:, :, None].expand(-1, -1, h * 2 // kv.shape[2], -1, -1).reshape(r, h, u, d)
+            for t in kv.chunk(2, dim=2))                                   # (r, h, u, d) each, contiguous
+    out = F.scaled_dot_product_attention(q.transpose(1, 2), k, v, attn_mask=bias, dropout_p=dropout,
+                                         scale=scaling)                                              # (r, h, s, d)
     return out.transpose(1, 2).reshape(r * s, h, d)                        # (r * s, h, d)
 
 

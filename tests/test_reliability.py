@@ -221,7 +221,7 @@ def test_bad_rows_stop_by_default_and_are_skipped_on_request(tmp_path):
 BAD_VALUES = {  # every config field, with a value it must refuse (the test below checks the list is complete)
     "preset": "huge", "model": " ", "task": "chess", "data": None, "rewards": None, "reward_weights": [float("nan")] * 3,
     "condition": None, "estimator": "ppo", "group_size": 1, "batch_size": 9, "micro_batch_size": 0, "num_iterations": 0,
-    "micro_batch_tokens": -1, "padding_free": None,
+    "micro_batch_tokens": -1, "padding_free": None, "compile": "maybe",
     "dynamic_sampling": None, "max_sample_rounds": 0,
     "lr": float("nan"), "lr_schedule": "linear", "warmup_ratio": 1.0, "weight_decay": -0.1, "max_grad_norm": -1.0,
     "beta": float("inf"), "clip_low": 1.0, "clip_high": -0.1, "loss_agg": "sum", "epochs": 0.0, "max_steps": -1,
