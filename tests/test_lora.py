@@ -20,6 +20,7 @@ from minigdpo.update import optimizer, scheduler
 from minigdpo.sampler import WeightSyncError
 from minigdpo.vllm_sampler import make_sampler
 from test_policy import batches, model_logprobs
+from test_vllm_sampler import vllm  # noqa: F401 (the fake engine, installed for a test, as a fixture)
 
 peft = pytest.importorskip("peft")
 
@@ -125,6 +126,17 @@ def test_adapters_off_is_the_base_model(tiny, process_group):
     assert all(p.requires_grad for n, p in model.named_parameters() if ".lora_" in n)  # restored after the pass
 
 
+def assert_samples_carry_the_trainers_logprobs(sampler, model, tok):
+    """What `sampler` samples (T = 1) has, token by token, the log-probs the trainer's `model` gives it (1e-5)."""
+    prompts = [[10, 11, 12], [20, 21]]
+    for prompt, group in zip(prompts, sampler.generate(prompts, 2, SamplingParams(max_new_tokens=6, seed=1))):
+        for c in group:
+            mb = microbatch.build([(prompt, [c], torch.zeros(1))], tok.pad_token_id, torch.device("cpu"))
+            with torch.no_grad():
+                trainer = model_logprobs(model, mb)[0]
+            torch.testing.assert_close(torch.tensor(c.logprobs), trainer, rtol=0, atol=1e-5)
+
+
 def test_merged_weights_reproduce_the_adapted_model(tiny, process_group):
     path, tok = tiny
     model, _ = trained(path, process_group)
@@ -140,13 +152,7 @@ def test_merged_weights_reproduce_the_adapted_model(tiny, process_group):
     # The HF sampler's log-probs of what it samples with the merged weights equal the trainer's on the same tokens.
     sampler = HFSampler(models.load_model(path), [256], tok.pad_token_id, process_group, tok)
     sampler.load_weights(model.whole_weights())
-    groups = sampler.generate([[10, 11, 12], [20, 21]], 2, SamplingParams(temperature=1.0, max_new_tokens=6, seed=1))
-    for prompt, group in zip([[10, 11, 12], [20, 21]], groups):
-        for c in group:
-            mb = microbatch.build([(prompt, [c], torch.zeros(1))], tok.pad_token_id, torch.device("cpu"))
-            with torch.no_grad():
-                trainer = model_logprobs(model, mb)[0]
-            torch.testing.assert_close(torch.tensor(c.logprobs), trainer, rtol=0, atol=1e-5)
+    assert_samples_carry_the_trainers_logprobs(sampler, model, tok)
 
 
 def test_the_sampler_applies_the_adapters_as_the_trainer_does_and_a_sync_sends_only_them(tiny, process_group):
@@ -160,13 +166,7 @@ def test_the_sampler_applies_the_adapters_as_the_trainer_does_and_a_sync_sends_o
     with pytest.raises(WeightSyncError, match="stale"):
         sampler.load_weights(sent[1:])
     sampler.load_weights(sent)
-    prompts = [[10, 11, 12], [20, 21]]
-    for prompt, group in zip(prompts, sampler.generate(prompts, 2, SamplingParams(max_new_tokens=6, seed=1))):
-        for c in group:
-            mb = microbatch.build([(prompt, [c], torch.zeros(1))], tok.pad_token_id, torch.device("cpu"))
-            with torch.no_grad():
-                trainer = model_logprobs(model, mb)[0]
-            torch.testing.assert_close(torch.tensor(c.logprobs), trainer, rtol=0, atol=1e-5)
+    assert_samples_carry_the_trainers_logprobs(sampler, model, tok)
 
 
 def test_in_bf16_an_update_smaller_than_a_bf16_step_still_reaches_the_sampler(tiny, process_group):
@@ -194,18 +194,14 @@ def test_in_bf16_an_update_smaller_than_a_bf16_step_still_reaches_the_sampler(ti
         assert torch.equal(held[f"{layer}.base_layer.weight"], base[f"{layer}.weight"])  # the base, once, unchanged
 
 
-def test_fake_vllm_engine_receives_merged_weights_under_base_names(tiny, process_group, monkeypatch):
-    import fake_vllm
+def test_fake_vllm_engine_receives_merged_weights_under_base_names(tiny, process_group, vllm):
     from minigdpo.vllm_sampler import VLLMSampler
 
-    for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
-        monkeypatch.delenv(key, raising=False)
-    fake_vllm.install(monkeypatch)
     path, tok = tiny
     model, _ = trained(path, process_group)
     sampler = VLLMSampler(path, tok, [256], seed=3, max_model_len=128)
     sampler.load_weights(model.whole_weights())
-    engine = fake_vllm.LLM.instances[-1]
+    engine = vllm.LLM.instances[-1]
     hf = models.load_model(path).state_dict()
     assert dict(engine.model.received) == {k: tuple(v.shape) for k, v in hf.items()}  # the tied head under its name too
     merged = {k: t.cpu() for k, t in model.whole_weights()}  # the fake engine keeps host tensors
@@ -217,21 +213,17 @@ def test_fake_vllm_engine_receives_merged_weights_under_base_names(tiny, process
     torch.testing.assert_close(engine.model.params[layer + "mlp.down_proj.weight"], merged[layer + "mlp.down_proj.weight"])
 
 
-def test_vllm_serves_the_adapters_a_new_one_per_sync_and_sleeps_keeping_its_base(tiny, process_group, monkeypatch):
+def test_vllm_serves_the_adapters_a_new_one_per_sync_and_sleeps_keeping_its_base(tiny, process_group, vllm):
     """With LoRA the vLLM sampler sends the adapters alone, in peft's format, as a new adapter per sync (the fake
     engine refuses an id reused with another path: the worker would serve the cached, stale one), and sleeps at
     level 1: no sync rewrites the base weights, so a level-2 sleep would leave them discarded for good (the fake
     refuses to generate from those)."""
-    import fake_vllm
     from minigdpo.vllm_sampler import VLLMSampler
 
-    for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
-        monkeypatch.delenv(key, raising=False)
-    fake_vllm.install(monkeypatch)
     path, tok = tiny
     model, _ = trained(path, process_group)
     sampler = VLLMSampler(path, tok, [256], seed=3, max_model_len=128, lora=SETTINGS)
-    engine = fake_vllm.LLM.instances[-1]
+    engine = vllm.LLM.instances[-1]
     assert engine.kwargs["enable_lora"] and engine.kwargs["max_lora_rank"] == 8  # the smallest of vLLM's ranks >= 4
     folders = []
     for step in range(2):
