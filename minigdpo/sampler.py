@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from minigdpo.lora import is_adapter
 from minigdpo.models import full_attention
 
 
@@ -145,7 +146,7 @@ class HFSampler:
         # With peft's LoRA layers in the model (make_sampler), a sync sends the adapters alone: the base weights
         # stay those of the checkpoint, as the trainer's frozen base does.
         self.adapters = hasattr(model, "peft_config")
-        self.expected = [n for n in weight_names(model) if not self.adapters or ".lora_" in n]
+        self.expected = [n for n in weight_names(model) if not self.adapters or is_adapter(n)]
         self.stop_ids = torch.tensor(sorted(stop_ids), device=device)
         self.pad_id = pad_id
         self.device = device

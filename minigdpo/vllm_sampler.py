@@ -58,6 +58,7 @@ import numpy as np
 import torch
 
 from minigdpo import dist, models
+from minigdpo.lora import is_adapter
 from minigdpo.sampler import Completion, HFSampler, WeightSyncError, check_sync, tied_names
 
 # The builds this file is written against, and what each wheel declares (its METADATA); setup.py's own
@@ -178,7 +179,7 @@ class VLLMSampler:
         self.weights_discarded = False  # a level-2 sleep dropped them: only load_weights brings them back
         # What every sync must send: each weight of the Hugging Face model, a tied head under its own name too
         # (aliases: the first name of a tied tensor -> its other names).
-        self.expected, self.aliases = [n for n in lm.state_dict() if not lora or ".lora_" in n], {}
+        self.expected, self.aliases = [n for n in lm.state_dict() if not lora or is_adapter(n)], {}
         for name, first in tied_names(lm).items():
             self.aliases.setdefault(first, []).append(name)
 

@@ -246,17 +246,23 @@ class RewardScorer:
             self._warned.add((name, kind))
             print(f"warning: reward {name!r} {detail}; counted as None (shown once per reward)", file=sys.stderr)
 
+    @contextmanager
+    def _time_limit(self, can_time_out):
+        """The block runs under --reward-timeout (RewardTimeout past it), where the alarm handler is installed."""
+        arm = can_time_out and bool(self.timeout)
+        if arm:
+            signal.setitimer(signal.ITIMER_REAL, self.timeout)
+        try:
+            yield
+        finally:
+            if arm:
+                signal.setitimer(signal.ITIMER_REAL, 0)
+
     def _call(self, reward, completion, example, can_time_out):
         """One reward on one sample -> (kind, value), kind "ok" or one of KINDS."""
-        arm = can_time_out and bool(self.timeout)
         try:
-            if arm:
-                signal.setitimer(signal.ITIMER_REAL, self.timeout)
-            try:
+            with self._time_limit(can_time_out):
                 value = reward.fn(completion, example)
-            finally:
-                if arm:
-                    signal.setitimer(signal.ITIMER_REAL, 0)
             value = _as_float(value)
         except RewardTimeout:
             self._warn(reward.name, "timeouts", f"ran past its {self.timeout:g} s limit")
@@ -269,20 +275,26 @@ class RewardScorer:
             return "errors", None
         return ("none", None) if value is None else ("ok", value)
 
+    def _call_each(self, reward, column, s, texts, examples, can_time_out):
+        """A per-completion reward on each sample, its values written into column (N,), its failures counted in s."""
+        for i in range(len(texts)):
+            if s["timeouts"] >= self.max_timeouts:
+                s["timeouts"] += 1
+                continue
+            kind, value = self._call(reward, texts[i], examples[i], can_time_out)
+            if kind == "ok":
+                column[i] = value
+            else:
+                s[kind] += 1
+
     def _call_batched(self, reward, column, s, texts, examples, completion_ids, can_time_out):
         """A TRL-style reward on the whole batch (rewards/trl_style.py), its values written into column (N,)."""
         N, metrics = len(texts), {}
         ids = completion_ids if completion_ids is not None else [[] for _ in texts]
-        arm = can_time_out and bool(self.timeout)
         try:
-            if arm:
-                signal.setitimer(signal.ITIMER_REAL, self.timeout)
-            try:
+            with self._time_limit(can_time_out):
                 result = reward.fn(**trl_style.arguments(texts, examples, ids, self.trainer_state, metrics, self.extra))
                 got, s["invalid"] = trl_style.values(reward.name, result, N)
-            finally:
-                if arm:
-                    signal.setitimer(signal.ITIMER_REAL, 0)
         except RewardError as e:
             s["error"], got = str(e), [None] * N
         except RewardTimeout:
@@ -326,14 +338,7 @@ class RewardScorer:
                         self._warn(reward.name, "prepare", f"batch hook raised {type(e).__name__}: {e}")
                 if reward.batched:
                     self._call_batched(reward, out[:, k], s, completions, examples, completion_ids, can_time_out)
-                for i in range(N if not reward.batched else 0):
-                    if s["timeouts"] >= self.max_timeouts:
-                        s["timeouts"] += 1
-                        continue
-                    kind, value = self._call(reward, completions[i], examples[i], can_time_out)
-                    if kind == "ok":
-                        out[i, k] = value
-                    else:
-                        s[kind] += 1
+                else:
+                    self._call_each(reward, out[:, k], s, completions, examples, can_time_out)
                 s["seconds"] = time.perf_counter() - t0
         return out, stats
