@@ -218,8 +218,8 @@ def adapter_state(lm):
     return {"base_model.model." + k: v for k, v in get_peft_model_state_dict(lm, state, ADAPTER).items()}
 
 
-def save_adapter(path, state, lm, tokenizer):
-    """Write adapter_config.json and adapter_model.safetensors (peft's format) and the tokenizer."""
+def save_adapter(path, state, lm, tokenizer=None):
+    """Write adapter_config.json and adapter_model.safetensors (peft's format), and the tokenizer when given."""
     from safetensors.torch import save_file
 
     os.makedirs(path, exist_ok=True)
@@ -231,7 +231,8 @@ def save_adapter(path, state, lm, tokenizer):
         config.save_pretrained(path)
     finally:
         config.inference_mode = inference_mode
-    tokenizer.save_pretrained(path)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(path)
 
 
 def is_adapter_dir(path):

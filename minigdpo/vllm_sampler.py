@@ -57,8 +57,7 @@ import tempfile
 import numpy as np
 import torch
 
-from minigdpo import dist, models
-from minigdpo.lora import is_adapter
+from minigdpo import dist, lora as adapters, models
 from minigdpo.sampler import Completion, HFSampler, WeightSyncError, check_sync, tied_names
 
 # The builds this file is written against, and what each wheel declares (its METADATA); setup.py's own
@@ -150,11 +149,9 @@ class VLLMSampler:
         self.can_sleep = current_platform.is_sleep_mode_available()
         dtype = dtype or torch.bfloat16
         lm = models.empty_model(model_path, torch.float32)  # its config, and the names every sync must send
-        options, self.lora, self.adapters, self.lora_request = {}, lora, bool(lora), None
+        options, self.adapters, self.lora_request = {}, bool(lora), None
         if lora:  # vLLM applies the adapters itself (lora/punica_wrapper, a CPU one too): a sync sends only them
-            from minigdpo import lora as adapters
-
-            adapters.attach(lm, lora, lambda *_: None)  # on the meta device: the adapters' names
+            adapters.attach(lm, lora, lambda *_: None)  # on the meta device: the adapters' names and peft's config
             if lora.rank > max(LORA_RANKS):
                 raise SamplerUnavailable(f"--lora-rank {lora.rank}: vLLM serves ranks up to {max(LORA_RANKS)}")
             options.update(enable_lora=True, max_loras=1, max_lora_rank=min(r for r in LORA_RANKS if r >= lora.rank))
@@ -179,7 +176,8 @@ class VLLMSampler:
         self.weights_discarded = False  # a level-2 sleep dropped them: only load_weights brings them back
         # What every sync must send: each weight of the Hugging Face model, a tied head under its own name too
         # (aliases: the first name of a tied tensor -> its other names).
-        self.expected, self.aliases = [n for n in lm.state_dict() if not lora or is_adapter(n)], {}
+        self.expected, self.aliases = [n for n in lm.state_dict() if not lora or adapters.is_adapter(n)], {}
+        self.adapted = lm if lora else None  # on the meta device: its peft config is what load_adapters writes
         for name, first in tied_names(lm).items():
             self.aliases.setdefault(first, []).append(name)
 
@@ -240,21 +238,15 @@ class VLLMSampler:
         so that the worker loads it rather than serve the cached previous one (lora/worker_manager.py:296-297), and
         under a new path, which keys the prefix cache (v1/core/kv_cache_utils.py:590-607). One adapter at
         a time (max_loras=1): the next one evicts this one, and its folder goes."""
-        import json
-
-        from safetensors.torch import save_file
         from vllm.lora.request import LoRARequest
 
         state, sent = {}, []
-        for name, tensor in named_tensors:  # peft's saved keys: no adapter name (PeftModel.save_pretrained)
+        for name, tensor in named_tensors:  # peft's saved keys, no adapter name (as lora.adapter_state keys them)
             sent.append(name)
-            state["base_model.model." + name.replace(".default.", ".")] = tensor.detach().to("cpu").contiguous()
+            state["base_model.model." + name.replace(f".{adapters.ADAPTER}.", ".")] = tensor.detach()
         check_sync(self.expected, sent)
         folder = tempfile.mkdtemp(prefix="minigdpo-lora-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
-        save_file(state, os.path.join(folder, "adapter_model.safetensors"))
-        with open(os.path.join(folder, "adapter_config.json"), "w") as f:  # lora/peft_helper.py:156-169
-            json.dump({"peft_type": "LORA", "r": self.lora.rank, "lora_alpha": self.lora.alpha, "bias": "none",
-                       "target_modules": list(self.lora.targets), "use_rslora": False}, f)
+        adapters.save_adapter(folder, state, self.adapted)  # what vLLM reads: lora/peft_helper.py:156-169
         previous, number = self.lora_request, (self.lora_request.lora_int_id + 1 if self.lora_request else 1)
         self.lora_request = LoRARequest(f"policy-{number}", number, folder)
         if previous is not None:
@@ -341,8 +333,6 @@ def make_sampler(kind, model_path, device, tokenizer, stop_ids, dtype, seed=0, l
         return VLLMSampler(model_path, tokenizer, stop_ids, seed=seed, dtype=dtype, lora=lora, **vllm_options)
     lm = models.load_model(model_path, dtype)
     if lora:
-        from minigdpo import lora as adapters
-
         adapters.attach(lm, lora, None)
         lm.to(dtype)  # peft's adapters are made fp32; the trainer computes them in the compute dtype
     return HFSampler(lm, stop_ids, tokenizer.pad_token_id, device, tokenizer)
