@@ -39,6 +39,8 @@ def check_contract(est):
             assert not torch.equal(with_lengths, est.advantages(dense, weights)), "reads_lengths, yet ignores them"
         else:
             torch.testing.assert_close(with_lengths, est.advantages(dense, weights), msg="lengths must be ignored")
+        wide = est.advantages(dense, weights, eps=0.5)  # every estimator takes eps=, its std's guard (if it has one)
+        assert wide.shape == r.shape[:2] and torch.isfinite(wide).all(), "eps= must be taken"
         for dtype in (torch.float32, torch.float64):
             assert est.advantages(dense.to(dtype), weights).dtype == dtype, "advantages in the rewards' dtype"
     for flat in (torch.zeros(3, 4, 2), torch.ones(1, 2, 3), torch.full((2, 2, 2), math.nan)):
