@@ -121,7 +121,8 @@ class Config:
     arith_difficulty: int = 2
     """arith: number of operations per problem (1 to 6)."""
     reward_timeout: float = 10.0
-    """Seconds one reward call may take before it counts as None."""
+    """Seconds a reward may take per completion before it counts as None (a TRL-style one, called once per batch:
+    this times the batch's completions)."""
     skip_bad_rows: bool = False
     """Skip malformed data rows (and report how many) instead of stopping at the first."""
 
@@ -270,9 +271,7 @@ def build_parser(description=""):
     docs, sections, groups = field_docs(), field_sections(), {}
     for f in fields(Config):
         title = sections.get(f.name, "other")
-        if title not in groups:
-            groups[title] = parser.add_argument_group(title)
-        group = groups[title]
+        group = groups[title] = groups.get(title) or parser.add_argument_group(title)
         flag = "--" + f.name.replace("_", "-")
         default = f.default if f.default is not MISSING else f.default_factory()
         choices = f" One of: {', '.join(map(str, CHOICES[f.name]))}." if f.name in CHOICES else ""

@@ -16,12 +16,15 @@ the ground truth under the keys its rewards read. A reward is a plain function
 Built-in rewards and tasks are registered here, in one place, by name; `get("module:function")`
 also loads a user's own reward (`--rewards correct,mypkg.rewards:polite`: docs/tasks.md, "Your own reward").
 
-The scorer never lets a reward crash training. A reward that raises, runs past its time limit, or
-returns something that is not a finite number counts as None (NaN in the tensor, so the
-estimators leave it out), is counted in the metrics, and is warned about once.
+A reward that raises, runs past its time limit, or returns something that is not a finite number counts as None
+(NaN in the tensor, which each estimator treats by its own rule: the per-reward ones leave it out of its group,
+grpo, grpo_no_std and saw_grpo add it as 0; minigdpo/advantages.py), is counted in the metrics, and is warned
+about once; training goes on. What stops a run is a TRL-style reward that breaks its contract (the wrong number or
+kind of values, rewards/trl_style.py): every rank stops with one line and exit status 2, before any update.
 """
 
 import importlib
+import inspect
 import math
 import numbers
 import random
@@ -186,9 +189,10 @@ class RewardScorer:
     # rewards (N, R) float64, NaN where a reward gave None or failed
     # stats[name] = {"errors", "timeouts", "invalid", "none": counts, "seconds": time spent}
 
-    `timeout` bounds each call (seconds, None for no limit). Once a reward has timed out
-    `max_timeouts` times in one batch, its remaining samples in that batch are skipped as
-    None, so a reward that always hangs costs at most timeout * max_timeouts per step.
+    `timeout` bounds each completion's call (seconds, None for no limit); a TRL-style reward, called once for the
+    whole batch, gets `timeout` times the completions in the call. Once a per-completion reward has timed out
+    `max_timeouts` times in one batch, its remaining samples in that batch are skipped as None, so a reward that
+    always hangs costs at most timeout * max_timeouts per step.
     """
 
     KINDS = ("errors", "timeouts", "invalid", "none")
@@ -201,6 +205,7 @@ class RewardScorer:
         self.max_timeouts = max_timeouts
         self._warned = set()
         self.trainer_state, self.extra = None, {}  # what a TRL-style reward gets as trainer_state; its log_extra
+        self._loop = None  # the async rewards' event loop, made at the first one and kept (trl_style.EventLoop)
 
     def place_models(self, device, dtype, batch_size=8, placement="auto", shard_build=None):
         """Load the reward models' weights on the trainer's device, in its dtype, before any is needed (train.py;
@@ -247,11 +252,12 @@ class RewardScorer:
             print(f"warning: reward {name!r} {detail}; counted as None (shown once per reward)", file=sys.stderr)
 
     @contextmanager
-    def _time_limit(self, can_time_out):
-        """The block runs under --reward-timeout (RewardTimeout past it), where the alarm handler is installed."""
+    def _time_limit(self, can_time_out, calls=1):
+        """The block runs under --reward-timeout times `calls` completions (RewardTimeout past it), where the alarm
+        handler is installed."""
         arm = can_time_out and bool(self.timeout)
         if arm:
-            signal.setitimer(signal.ITIMER_REAL, self.timeout)
+            signal.setitimer(signal.ITIMER_REAL, self.timeout * calls)
         try:
             yield
         finally:
@@ -292,13 +298,16 @@ class RewardScorer:
         N, metrics = len(texts), {}
         ids = completion_ids if completion_ids is not None else [[] for _ in texts]
         try:
-            with self._time_limit(can_time_out):
+            with self._time_limit(can_time_out, N):
                 result = reward.fn(**trl_style.arguments(texts, examples, ids, self.trainer_state, metrics, self.extra))
+                if inspect.iscoroutine(result):
+                    self._loop = self._loop or trl_style.EventLoop()
+                    result = self._loop.run(result)
                 got, s["invalid"] = trl_style.values(reward.name, result, N)
         except RewardError as e:
             s["error"], got = str(e), [None] * N
         except RewardTimeout:
-            self._warn(reward.name, "timeouts", f"ran past its {self.timeout:g} s limit on a batch")
+            self._warn(reward.name, "timeouts", f"ran past its limit on a batch ({self.timeout:g} s x {N} completions)")
             s["timeouts"], got = N, [None] * N
         except Exception as e:
             self._warn(reward.name, "errors", f"raised {type(e).__name__}: {e}")

@@ -10,11 +10,14 @@ one format: TRL decides by the first row for a whole batch. Every other column t
 TRL-style reward gets each as a list, one entry per completion (rewards/__init__.py, "TRL-style rewards").
 
 An example: the row's columns other than `prompt` under their own names, `messages` (the prompt as the row gives
-it, a string or a list of messages) and `columns` (the names of the row's other columns). This task has no
-rewards of its own: name them with --rewards.
+it, a string or a list of messages) and `columns` (the names of the other columns of every row: a row that lacks
+one gets None for it, as datasets gives TRL). A column named after an argument TRL-style rewards get from the
+trainer (completions, prompts, ...) is refused: it would replace that argument. This task has no rewards of its
+own: name them with --rewards.
 """
 
 from minigdpo.data import DataError, load_rows
+from rewards.trl_style import TRAINER_ARGUMENTS
 
 REWARDS = []
 RESERVED = ("messages", "columns", "completion_tokens")  # keys an example gets from minigdpo
@@ -40,6 +43,9 @@ def to_example(row, settings=None):
     clash = [c for c in RESERVED if c in row]
     if clash:
         raise ValueError(f"column {clash[0]!r} is a name minigdpo gives each example: rename it")
+    shadow = [c for c in TRAINER_ARGUMENTS if c in row]  # it would replace what the reward gets from the trainer
+    if shadow:
+        raise ValueError(f"column {shadow[0]!r} is an argument TRL-style rewards get from the trainer: rename it")
     columns = tuple(c for c in row if c != "prompt")
     return {**{c: row[c] for c in columns}, "messages": prompt, "columns": columns}
 
@@ -49,6 +55,8 @@ def examples(data, split, skip_bad, settings):
         raise DataError("--task prompts needs --data: a .jsonl, .json or .parquet file, or a hub dataset, with a "
                         "'prompt' column")
     rows, skipped = load_rows(data, split, to_example, settings, skip_bad)
+    columns = tuple(dict.fromkeys(c for ex in rows for c in ex["columns"]))  # every row's, in first-seen order
+    rows = [{**dict.fromkeys(columns), **ex, "columns": columns} for ex in rows]  # None for a gap, as datasets gives
     kinds = [conversational(ex["messages"]) for ex in rows]
     if len(set(kinds)) > 1:
         at = kinds.index(not kinds[0]) + 1

@@ -14,17 +14,23 @@ per completion, in the order of the completions:
   max_steps, epoch and num_train_epochs, what a reward schedule reads; log_metric(name, value): logged as
   reward/<reward>/<name>, the mean over calls and ranks; log_extra(column, values): one value per completion,
   written beside the completions in samples.jsonl.
-It returns one number or None ("does not apply", left out by the estimators as a None always is) per completion;
-an `async def` reward is run to completion. A non-finite number counts as None, as any reward's does. A result of
-the wrong length, or a value that is neither a number nor None, stops the run in one line on every rank (TRL
-raises on both); a reward that raises or runs past --reward-timeout counts every completion of the call as None.
+It returns one number or None ("does not apply": NaN in the rewards, which each estimator treats by its own rule,
+minigdpo/estimators.py) per completion, as a list, a tuple, a numpy array or a tensor, numpy scalars and booleans
+included, as TRL takes them. An `async def` reward runs on one event loop that lives as long as the scorer (TRL's
+daemon loop), so an asyncio.Semaphore or client made at import keeps working from step to step. A non-finite number
+counts as None, as any reward's does. A result of the wrong length, or a value that is neither a number nor None,
+stops the run in one line on every rank (TRL raises on both); a reward that raises, or runs past its batch's limit
+(--reward-timeout per completion, times the completions in the call), counts every completion of the call as None.
+A row that lacks a column other rows have gives None there, as datasets gives TRL (rewards/prompts.py).
 """
 
 import asyncio
 import inspect
 import math
 import numbers
+import threading
 
+import numpy as np
 import torch
 
 
@@ -33,16 +39,39 @@ class RewardError(ValueError):
 
 
 TRL_NAMES = ("prompts", "completions", "completion_ids")
+# What the trainer passes by these names; a data column named so would shadow it (rewards/prompts.py refuses one)
+TRAINER_ARGUMENTS = TRL_NAMES + ("trainer_state", "log_metric", "log_extra", "environments")
 
 
 def is_batched(fn):
-    """Whether fn is TRL-style: it takes one of TRL's argument names, or **kwargs (TRL's rewards all do), where a
-    per-completion reward takes (completion, example)."""
+    """Whether fn is TRL-style, by its named parameters: it names one of TRL's arguments, or takes **kwargs without
+    the two positional parameters (completion, example) of a per-completion reward (rewards/__init__.py)."""
     try:
-        parameters = inspect.signature(fn).parameters.values()
+        parameters = list(inspect.signature(fn).parameters.values())
     except (TypeError, ValueError):
         return False
-    return any(p.name in TRL_NAMES or p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters)
+    if any(p.name in TRL_NAMES for p in parameters):
+        return True
+    positional = [p for p in parameters if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    return len(positional) < 2 and any(p.kind is p.VAR_KEYWORD for p in parameters)
+
+
+class EventLoop:
+    """One asyncio loop on a daemon thread, for as long as its owner lives (TRL's start_event_loop_in_daemon): every
+    async reward or tool runs on it, so what binds to a loop (a semaphore, an HTTP client) binds once."""
+
+    def __init__(self):
+        self.loop = asyncio.new_event_loop()
+        threading.Thread(target=self.loop.run_forever, daemon=True, name="minigdpo-async").start()
+
+    def run(self, coroutine):
+        """The coroutine's result; an exception in the caller's wait (a time limit) cancels it on the loop."""
+        future = asyncio.run_coroutine_threadsafe(coroutine, self.loop)
+        try:
+            return future.result()
+        except BaseException:
+            future.cancel()
+            raise
 
 
 def arguments(texts, examples, completion_ids, state, metrics, extra):
@@ -66,18 +95,19 @@ def arguments(texts, examples, completion_ids, state, metrics, extra):
 
 
 def values(name, result, n):
-    """One float or None per completion from what reward `name` returned, and how many were not finite;
-    RewardError on the wrong count or on a value that is neither a number nor None."""
-    if inspect.iscoroutine(result):
-        result = asyncio.run(_awaited(result))
+    """One float or None per completion from what reward `name` returned (awaited first where it is a coroutine's, on
+    the scorer's loop), and how many were not finite; RewardError on the wrong count or on a value that is neither a
+    number nor None."""
+    if isinstance(result, (np.ndarray, torch.Tensor)) and result.ndim == 1:
+        result = result.tolist()
     if not isinstance(result, (list, tuple)) or len(result) != n:
         got = f"{len(result)} values" if isinstance(result, (list, tuple)) else f"a {type(result).__name__}"
         raise RewardError(f"reward {name!r} returned {got} for {n} completions: it must return one number or None "
                           "per completion")
     out, invalid = [], 0
     for i, v in enumerate(result):
-        if isinstance(v, torch.Tensor) and v.numel() == 1:
-            v = v.item()
+        if isinstance(v, (torch.Tensor, np.ndarray, np.generic)) and np.size(v) == 1:
+            v = v.item()  # numpy's scalars and booleans, as TRL's torch.tensor(values) takes them
         if v is not None and not isinstance(v, numbers.Real):  # True and False count as 1 and 0, as in TRL
             raise RewardError(f"reward {name!r} returned a {type(v).__name__} for completion {i} of {n}: it must "
                               "return one number or None per completion")
@@ -85,7 +115,3 @@ def values(name, result, n):
         invalid += v is not None and not finite
         out.append(float(v) if finite else None)
     return out, invalid
-
-
-async def _awaited(coroutine):
-    return await coroutine
