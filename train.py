@@ -85,10 +85,11 @@ def run_training(argv=None):
     dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}.get(cfg.dtype, auto)
     scorer.place_models(device, dtype, cfg.reward_model_batch_size, cfg.reward_model_placement, policy.build_classifier)
     compiled = cfg.compile == "true" or (cfg.compile == "auto" and device.type == "cuda")
-    model = policy.build(path, device, dtype, cfg.grad_checkpointing, lora=adapters, compile=compiled)
+    context = cfg.max_prompt_len + cfg.max_new_tokens  # the longest sequence a pass may meet
+    model = policy.build(path, device, dtype, cfg.grad_checkpointing, lora=adapters, compile=compiled, context=context)
     ref = None  # with LoRA the reference is the policy with its adapters off
     if cfg.beta > 0 and not adapters:
-        ref = policy.build(path, device, dtype, frozen=True, offload=cfg.ref_offload, compile=compiled)
+        ref = policy.build(path, device, dtype, frozen=True, offload=cfg.ref_offload, compile=compiled, context=context)
     lm_config = model.lm.config
     opt = optimizer(model, cfg.lr, cfg.weight_decay)  # the parameters that require grad: with LoRA, the adapters
     n_trainable, n_params = lora.trainable_count(model)  # global counts, also under FSDP
@@ -119,8 +120,7 @@ def run_training(argv=None):
             dist.print0(f"resumed from {last} at step {start}")
 
     if model.refusal:
-        dist.print0(f"log-probs: the model's own forward on full sequences ({model.refusal}: the fast pass does not "
-                    "reproduce it); --padding-free does nothing; --micro-batch-tokens counts prompts per completion")
+        dist.print0(model.fallback_line(cfg.logprob_chunk, cfg.max_new_tokens))
     order, checked, unchecked = PromptOrder(len(task.examples), cfg.seed), {}, model.fast
     options = REGISTRY[cfg.estimator].options(cfg)  # the estimator's own flags (gd2po's mode and tau, SAW's shift)
     log = Logger(cfg.output_dir, sizes.total_steps, start, run, cfg.wandb)
@@ -204,7 +204,7 @@ def run_training(argv=None):
             log.samples(step, [{"prompt": tokenizer.decode(batch.prompts[0], skip_special_tokens=True)[-300:],
                                 "completion": c.text, "advantage": adv[0, i].item(),
                                 "rewards": dict(zip(names, batch.rewards[first, i].tolist())),
-                                **({"extra": {k: v[i] for k, v in batch.extra.items()}} if batch.extra else {})}
+                                **({"extra": c.extra} if c.extra else {})}
                                for i, c in enumerate(batch.completions[0][:4])])
         if (cfg.save_every and step % cfg.save_every == 0) or step == sizes.total_steps:
             try:
@@ -229,20 +229,18 @@ def run_training(argv=None):
 
 
 def check_fast_pass(model, ref, groups, cfg, pad_id, device, dtype, log):
-    """The fast pass against the model's own forward on the 4 longest completions of this rank's first group (the
-    longest: where a window binds); beyond rounding, the policy and its reference run their own forward for good."""
-    prompt, comps, adv = groups[0]
-    rows = sorted(range(len(comps)), key=lambda j: -len(comps[j].token_ids))[:4]
-    mb = microbatch.build([(prompt, [comps[j] for j in rows], adv[rows])], pad_id, device,
-                          "packed" if cfg.padding_free else "padded")
+    """The fast pass against the model's own forward (logprobs.check_batch: the longest completions of this rank's
+    first group, past the smallest window); beyond rounding, the policy and its reference run their own forward."""
+    mb = logprobs.check_batch(model, groups, pad_id, device, "packed" if cfg.padding_free else "padded")
     bound = logprobs.FAST_PASS_BOUND[dtype]
-    worst = logprobs.check_fast_pass(model, mb, cfg.temperature, bound)
+    found = logprobs.check_fast_pass(model, mb, cfg.temperature, bound)
     if not model.fast:
         if ref is not None:
             ref.fast = False
-        log.write(f"warning: the fast log-prob pass differs from the model's own forward by {worst:.3g} (> {bound:g},"
-                  " rounding): the policy and its reference run their own forward from now on", error=True)
-    return {"logprobs/fast_pass_max_diff": worst}
+        log.write(f"warning: the fast log-prob pass differs from the model's own forward by {found['max']:.3g} at most"
+                  f" and {found['mean']:.3g} per token (bounds {bound['max']:g} and {bound['mean']:g}: rounding): the"
+                  f" policy and its reference run their own forward from now on", error=True)
+    return {f"logprobs/fast_pass_{k}_diff": v for k, v in found.items()}
 
 
 def throughput(batches, model, cfg, flops_per_token, attention_flops, seconds):

@@ -1,7 +1,7 @@
 """How far the fast log-prob pass lands from the model's own forward, in fp32 and in bf16, and how far a wrong one
 does: the figures behind logprobs.FAST_PASS_BOUND, the bound of the run's self-check (logprobs.check_fast_pass).
 
-SmolLM2-135M (the demo model, offline), 4 arith prompts, 4 sampled completions of up to 96 tokens each (sequences
+SmolLM2-135M (the demo model, offline), 4 arith prompts, 4 sampled completions of --tokens tokens each (96: sequences
 of about 250 tokens), one micro-batch per prompt. The wrong pass is planted: every layer attends through a window
 of 64 tokens the model does not have (the kind of error a dropped or invented sliding window makes).
 
@@ -35,6 +35,7 @@ def planted(attending):
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", default=models.DEMO_MODEL, help="tiny-random runs anywhere, in seconds")
+    parser.add_argument("--tokens", type=int, default=96, help="completion tokens, sampled past any stop token")
     args = parser.parse_args()
     torch.manual_seed(0)
     path = models.resolve_model(args.model)
@@ -42,7 +43,8 @@ def main():
     task = load_task("arith", "", "train", False, {"arith_difficulty": 2}, {})
     prompts = [encode_prompt(tok, ex["messages"], 256) for ex in task.examples[:4]]
     sampler = HFSampler(models.load_model(path), [tok.eos_token_id], tok.pad_token_id, torch.device("cpu"))
-    groups = sampler.generate(prompts, 4, SamplingParams(temperature=1.0, max_new_tokens=96, seed=1))
+    groups = sampler.generate(prompts, 4, SamplingParams(temperature=1.0, max_new_tokens=args.tokens, seed=1,
+                                                         ignore_eos=True))
     mbs = [microbatch.build([(p, g, torch.zeros(len(g)))], tok.pad_token_id, torch.device("cpu"), "packed")
            for p, g in zip(prompts, groups)]
     print(f"{'dtype':<10} {'fast pass':<10} {'max |fast - own| per micro-batch':<40} mean |fast - own| per token")

@@ -8,6 +8,7 @@ is a G x R matrix of 0/1. We enumerate every such group, run the real estimator 
     python examples/collapse.py --plot out.png   # and the figure (needs matplotlib)
     python examples/collapse.py --example        # the paper's smallest example (G = 2, two rewards)
     python examples/collapse.py --informative    # the groups each estimator can learn from (--dynamic-sampling)
+    python examples/collapse.py --write-docs     # rewrite the tables README.md and docs/ show (DOC_TABLES)
 
 Counting rules:
 - A group is a multiset of samples, so an advantage vector is compared sorted.
@@ -42,6 +43,11 @@ from minigdpo.estimators import ESTIMATORS, REGISTRY, informative_groups  # noqa
 
 DECIMALS = 6
 COUNTED = tuple(e for e in ESTIMATORS if not e.startswith("saw_"))  # SAW's weights come from the batch (above)
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# The pages that show a table this script prints, each in the fenced block after the line naming its command
+# (tests/test_docs_tables.py checks them; --write-docs rewrites them, as a new estimator needs)
+DOC_TABLES = [("README.md", ["--example"]), ("docs/estimators.md", ["--max-group", "8", "--max-rewards", "5"]),
+              ("docs/conditions-and-dynamic-sampling.md", ["--informative"])]
 
 
 def enumerate_groups(group_size, num_rewards):
@@ -149,6 +155,31 @@ def informative_table(cases=((2, 2), (2, 3), (3, 3), (4, 2), (4, 3), (4, 4), (6,
     return "\n".join(lines)
 
 
+def write_docs():
+    """Put each of DOC_TABLES' outputs into the first fenced block after the line that names its command."""
+    for page, args in DOC_TABLES:
+        path, command = os.path.join(ROOT, page), f"python examples/collapse.py {' '.join(args)}"
+        lines = open(path).read().split("\n")
+        named = next(i for i, line in enumerate(lines) if command in line)
+        start = next(i for i in range(named, len(lines)) if lines[i].startswith("```"))
+        end = next(i for i in range(start + 1, len(lines)) if lines[i].startswith("```"))
+        table = output(args).rstrip("\n").split("\n")
+        with open(path, "w") as f:
+            f.write("\n".join(lines[:start + 1] + table + lines[end:]))
+        print(f"{page}: {len(table)} lines after '{command}'")
+
+
+def output(args):
+    """What `python examples/collapse.py ARGS` prints."""
+    import contextlib
+    import io
+
+    buffer = io.StringIO()
+    with contextlib.redirect_stdout(buffer):
+        main(args)
+    return buffer.getvalue()
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--plot", metavar="PNG", help="also draw the figure to this file")
@@ -156,7 +187,10 @@ def main(argv=None):
     parser.add_argument("--informative", action="store_true", help="print the informative-group counts instead")
     parser.add_argument("--max-group", type=int, default=16, help="largest G in the first sweep")
     parser.add_argument("--max-rewards", type=int, default=8, help="largest R in the second sweep")
+    parser.add_argument("--write-docs", action="store_true", help="rewrite the tables in README.md and docs/")
     args = parser.parse_args(argv)
+    if args.write_docs:
+        return write_docs()
     if args.example or args.informative:
         print(two_sample_example() if args.example else informative_table())
         return

@@ -172,7 +172,8 @@ class Config:
     sharding: str = "auto"
     """FSDP2 layout: fsdp over all ranks; hsdp shards in a node, replicates across nodes; auto: hsdp on nodes > 1."""
     logprob_chunk: int = 1024
-    """Tokens per chunk of the log-softmax, so [B, T, V] float32 logits never exist at once."""
+    """Tokens per chunk of the head's log-softmax: (chunk, V) fp32 logits at a time (a model's own forward: rows of
+    about this many completion tokens, one row at least), never a micro-batch's (N, T, V)."""
     reduce_grads: str = "micro_batch"
     """FSDP2's gradient reduction: micro_batch (each, a rank keeps its shard) or step (once; whole fp32 grads)."""
     sampler: str = "auto"

@@ -6,8 +6,9 @@ GRPO, GDPO and the peers' GDPOs are in minigdpo/advantages.py, GDPO's successors
 the loop-over-groups twin of each in minigdpo/advantages_naive.py. REGISTRY holds, for each name, the estimator,
 its group step (its advantages before any batch step), both twins and its own flags; the command line, dynamic
 sampling, examples/collapse.py and the tests all read their lists from it. A new estimator is one function, its
-naive twin, one entry here and its row in docs/estimators.md; tests/test_estimator_contract.py then checks it, as
-every entry, against the contract:
+naive twin, one entry here, its row in docs/estimators.md, and `python examples/collapse.py --write-docs` (the
+count tables README.md and docs/ show gain its column; tests/test_docs_tables.py compares them with the script),
+with no test to edit; tests/test_estimator_contract.py then checks it, as every entry, against the contract:
 
 - advantages(rewards (B, G, R), weights (R,) or None, eps=..., lengths=None, **options) -> (B, G), in the rewards'
   dtype; a batch step sees every group of the global batch;

@@ -33,9 +33,9 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 from transformers import AttentionInterface
 
-from minigdpo import dist
+from minigdpo import dist, microbatch
 from minigdpo.models import layer_windows
-from minigdpo.sampler import tied_names
+from minigdpo.sampler import Completion, tied_names
 
 
 def naive_logprobs(lm, prompt_ids, prompt_mask, repeats, completion_ids, completion_mask, temperature=1.0,
@@ -46,14 +46,35 @@ def naive_logprobs(lm, prompt_ids, prompt_mask, repeats, completion_ids, complet
     T = completion_ids.shape[1]
     ids = torch.cat([prompt_ids[index], completion_ids], 1)                # (n, P+T)
     attn = torch.cat([prompt_mask[index], torch.ones_like(completion_ids)], 1)  # (n, P+T)
-    logits = lm(input_ids=ids, attention_mask=attn, position_ids=(attn.cumsum(-1) - 1).clamp(min=0),
-                use_cache=False, logits_to_keep=T + 1).logits[:, :-1].float()  # (n, T, V)
+    logits = lm(input_ids=ids, attention_mask=attn, position_ids=(attn.cumsum(-1) - 1).clamp(min=0), use_cache=False,
+                logits_to_keep=T + 1).logits[:, -(T + 1):-1].float()  # (n, T, V): a model may keep every position
     logp_all = torch.log_softmax(logits / temperature, dim=-1)              # (n, T, V)
     logp = logp_all.gather(-1, completion_ids[..., None]).squeeze(-1) * completion_mask  # (n, T)
     if not entropy:
         return logp
     with torch.no_grad():
         return logp, -(logp_all.exp() * logp_all).sum(-1) * completion_mask  # (n, T)
+
+
+def own_logprobs(lm, prompt_ids, prompt_mask, repeats, completion_ids, completion_mask, temperature=1.0,
+                 entropy=False, chunk=1024):
+    """naive_logprobs, rows of about `chunk` completion tokens at a time (one row at least), each row block recomputed
+    in the backward (checkpointed): the model's own forward, head included, without (n, T, V) logits for a whole
+    micro-batch, in the forward or kept for the backward. The fallback of LogProbModel (fallback_line: its memory)."""
+    index = torch.repeat_interleave(torch.arange(len(repeats), device=prompt_ids.device), repeats)  # (n,)
+    rows = max(1, chunk // completion_ids.shape[1])
+    def block(*args):
+        out = naive_logprobs(lm, *args, entropy=entropy)
+        return out if entropy else (out,)
+
+    parts = []
+    for s in range(0, len(index), rows):
+        own = index[s:s + rows]                                               # (r,)
+        args = (prompt_ids[own], prompt_mask[own], torch.ones_like(own), completion_ids[s:s + rows],
+                completion_mask[s:s + rows], temperature)
+        parts.append(checkpoint(block, *args, use_reentrant=False) if torch.is_grad_enabled() else block(*args))
+    out = [torch.cat(column) for column in zip(*parts)]                       # (n, T) each
+    return tuple(out) if entropy else out[0]
 
 
 # The head, chunk by chunk ----------------------------------------------------------------------
@@ -139,19 +160,27 @@ def chunked_logprobs(hidden, weight, targets, temperature=1.0, chunk=1024, entro
 # Forward: embed, rotary embeddings, decoder layers, norm and a plain head (tests/test_architectures.py)
 FAST_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "olmo2")
 FAST_ATTENTION = ("sdpa", "eager")  # the model's own kernel: one SDPA reproduces it
-FAST_PASS_BOUND = {torch.float32: 1e-4, torch.bfloat16: 1.0}  # beyond rounding (benchmarks/fast_pass_check.py)
+# Beyond rounding, by the largest and the mean |fast - own| per token (benchmarks/fast_pass_check.py)
+FAST_PASS_BOUND = {torch.float32: {"max": 1e-4, "mean": 1e-5}, torch.bfloat16: {"max": 2.0, "mean": 0.1}}
 
 
-def fast_pass_refusal(lm):
+def fast_pass_refusal(lm, context=None):
     """Why the fast pass (shared prefix, packed row, chunked head) would not reproduce lm's own forward, or "" where
     it does: the one rule. It accepts the model types of FAST_MODEL_TYPES, with a kernel of FAST_ATTENTION, and
     layers that attend fully or through a sliding window of any of the forms models.layer_windows reads (a banded
-    mask here). Every other model runs its own forward, head included, on one full sequence per completion."""
+    mask here). A rotary scaling that picks its factor by the longest sequence of a pass (Phi-3's longrope, dynamic
+    NTK) is refused where a sequence of `context` tokens (None: any) can pass its original length: packed, a short
+    sequence would get the factor of its long mates. Every other model runs its own forward, head included."""
     config = lm.config
     if config.model_type not in FAST_MODEL_TYPES:
         return f"model type {config.model_type!r} is not one of {', '.join(FAST_MODEL_TYPES)}"
     if getattr(config, "_attn_implementation", None) not in FAST_ATTENTION:
         return f"attention kernel {config._attn_implementation!r} is not one of {', '.join(FAST_ATTENTION)}"
+    rope = getattr(config, "rope_parameters", None) or {}
+    for r in [rope] if "rope_type" in rope else [v for v in rope.values() if isinstance(v, dict)]:
+        original = r.get("original_max_position_embeddings", config.max_position_embeddings)
+        if r.get("rope_type") in ("longrope", "dynamic") and (context is None or context > original):
+            return f"rope type {r['rope_type']!r} scales by the longest sequence of a pass, past {original} tokens"
     try:
         layer_windows(config)
     except ValueError as e:
@@ -250,10 +279,10 @@ class LogProbModel(nn.Module):
     exactly naive_logprobs, and its gradients, at 1/G of the prompt's cost and without (N, T, V) logits; with a
     packed layout, without padding. Otherwise (fast_pass_refusal, or check_fast_pass) naive_logprobs itself."""
 
-    def __init__(self, lm):
+    def __init__(self, lm, context=None):
         super().__init__()
         self.lm = lm
-        self.refusal = fast_pass_refusal(lm)  # "" where the fast pass reproduces lm's own forward
+        self.refusal = fast_pass_refusal(lm, context)  # "" where the fast pass reproduces lm's own forward
         self.fast = not self.refusal
         self.lora = False  # policy.build sets it when peft's adapters are in lm (whole_weights: merged, or adapters)
         if self.fast:
@@ -275,8 +304,8 @@ class LogProbModel(nn.Module):
             T = mb.completion_ids.shape[1]
             valid = torch.zeros(mb.completion_ids.numel(), device=mb.out_index.device).index_fill_(
                 0, mb.out_index, 1.0).view(-1, T)                                # (N, T) the completion tokens
-            return naive_logprobs(self.lm, mb.prompt_ids, mb.prompt_mask, mb.repeats, mb.completion_ids, valid,
-                                  temperature, entropy)
+            return own_logprobs(self.lm, mb.prompt_ids, mb.prompt_mask, mb.repeats, mb.completion_ids, valid,
+                                temperature, entropy, chunk)
         hidden = packed_hidden_states(self.lm, mb.packed)                       # (K, H)
         weight = self.lm.get_output_embeddings().weight                         # (V, H)
         lp, ent = chunked_logprobs(hidden, weight, mb.targets, temperature, chunk, entropy)  # (K,)
@@ -311,15 +340,47 @@ class LogProbModel(nn.Module):
         """Names that share storage with an earlier name, e.g. lm_head.weight -> model.embed_tokens.weight."""
         return tied_names(self.lm)
 
+    def fallback_line(self, chunk, max_new_tokens):
+        """The line a run prints when the model runs its own forward, with the logits that costs at most per pass."""
+        rows = max(1, chunk // max_new_tokens)
+        gib = rows * (max_new_tokens + 1) * self.lm.config.get_text_config().vocab_size * 4 * 3 / 2**20
+        return (f"log-probs: the model's own forward on full sequences ({self.refusal}: the fast pass does not "
+                f"reproduce it), {rows} row(s) at a time: up to {gib:,.0f} MiB of fp32 logits per pass (--logprob-chunk)"
+                "; --padding-free does nothing; --micro-batch-tokens counts prompts per completion")
+
+
+def check_batch(model, groups, pad_id, device, layout, max_len=None):
+    """The micro-batch a run checks its fast pass on: the 4 longest completions of its first group (where a window
+    binds first), and, where every one of them ends within the model's smallest sliding window, one more whose tokens
+    repeat the group's until it passes that window by a quarter (within max_len positions, default the model's)."""
+    prompt, comps, adv = groups[0]
+    rows = sorted(range(len(comps)), key=lambda j: -len(comps[j].token_ids))[:4]
+    picked, adv = [comps[j] for j in rows], adv[rows]
+    windows = [w for w in layer_windows(model.lm.config) if w]
+    max_len = max_len or model.lm.config.max_position_embeddings
+    if windows and len(prompt) + len(picked[0].token_ids) <= min(windows):
+        tokens = [t for c in picked for t in c.token_ids] or [pad_id]
+        n = min(min(windows) + max(16, min(windows) // 4), max_len) - len(prompt)
+        picked, adv = picked + [Completion((tokens * n)[:n], [0.0] * n)], torch.cat([adv, adv[:1]])
+    return microbatch.build([(prompt, picked, adv)], pad_id, device, layout)
+
 
 @torch.no_grad()
 def check_fast_pass(model, mb, temperature, bound):
-    """The run checks itself once: the largest |fast pass - the model's own forward| over a micro-batch's tokens, of
-    every rank's; beyond `bound` (FAST_PASS_BOUND) the model runs its own forward for good. Every rank calls it."""
-    fast = model(mb, temperature)                                           # (N, T)
-    model.fast = False
-    own = model(mb, temperature)                                            # (N, T)
+    """The run checks itself once: |fast pass - the model's own forward| over a micro-batch's counted tokens, its
+    largest and its mean, of every rank's, both in eval mode (no dropout: LoRA's would differ between the passes);
+    beyond either `bound` (FAST_PASS_BOUND) the model runs its own forward for good. Every rank calls it."""
+    training = model.training
+    model.eval()
+    try:
+        fast = model(mb, temperature)                                       # (N, T)
+        model.fast = False
+        own = model(mb, temperature)                                        # (N, T)
+    finally:
+        model.train(training)
     dist.reshard(model)  # no backward follows: free what the root keeps gathered for one
-    worst = dist.all_reduce(torch.as_tensor([(fast - own).abs().max().item()], dtype=torch.float64), op="max").item()
-    model.fast = worst <= bound
-    return worst
+    diff = (fast - own).abs() * mb.mask                                     # (N, T)
+    sums = dist.all_reduce(torch.stack([diff.sum(), mb.mask.sum()]).double())
+    found = {"max": dist.all_reduce(diff.max().double(), op="max").item(), "mean": (sums[0] / sums[1]).item()}
+    model.fast = all(found[k] <= bound[k] for k in bound)
+    return found

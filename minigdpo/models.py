@@ -119,10 +119,16 @@ def check_context(path, needed):
                           "tokens")
 
 
+WINDOWLESS = ("llama", "olmo2")  # their attention applies no window, whatever keys the config carries
+
+
 def layer_windows(config):
-    """Each decoder layer's sliding window as the model's own attention applies it (None: full attention): by
+    """Each decoder layer's sliding window as the model's own attention applies it (None: full attention): none for
+    WINDOWLESS model types (transformers keeps a config's unknown keys, a stray sliding_window among them), by
     config.layer_types where the config has them (Qwen2/3's max_window_layers, Gemma-2/3's alternating layers),
     else config.sliding_window on every layer (Mistral, Phi-3). ValueError on any other kind of layer."""
+    if config.model_type in WINDOWLESS:
+        return [None] * config.num_hidden_layers
     window = getattr(config, "sliding_window", None)
     types = getattr(config, "layer_types", None) or [
         "sliding_attention" if window else "full_attention"] * config.num_hidden_layers

@@ -2,7 +2,9 @@
 
 `build` builds the model on the meta device, wraps it for log-probs (minigdpo/logprobs.py), shards it
 with FSDP2 over all ranks (dist.shard), then has each rank read only its own shards from the
-checkpoint's safetensors files: no rank ever holds the whole model.
+checkpoint's safetensors files, so the trainer's copy is never whole on a rank. Two exceptions: a checkpoint whose
+tensors do not match the model by name and shape is loaded whole first (transformers converts it), and every rank's
+sampler holds a whole copy of its own (minigdpo/sampler.py, minigdpo/vllm_sampler.py).
 """
 
 import torch
@@ -42,16 +44,18 @@ def shard_reader(path, lm):
     return read
 
 
-def build(path, device, compute_dtype, grad_checkpointing=False, frozen=False, offload=False, lora=None, compile=False):
+def build(path, device, compute_dtype, grad_checkpointing=False, frozen=False, offload=False, lora=None, compile=False,
+          context=None):
     """Build on the meta device, wrap for log-probs, shard with FSDP2 over all ranks, then have each
-    rank read only its own shards, so no rank ever holds the whole model (start-up host memory:
-    this rank's shards plus the read rows, about 1.5 x fp32 model / world for a bf16 checkpoint).
+    rank read only its own shards (start-up host memory: this rank's shards plus the read rows, about
+    1.5 x fp32 model / world for a bf16 checkpoint; a checkpoint shard_reader cannot read is loaded whole first).
 
     The trained model keeps fp32 master weights and computes in compute_dtype; the frozen
     reference needs no master copy and is loaded in compute_dtype directly (half the memory in bf16).
     With `lora` (lora.Settings) peft's adapters are injected before sharding: the frozen base is
     loaded in compute_dtype like the reference, and only the adapters keep fp32 master weights. compile=True
-    compiles each decoder layer's forward (LogProbModel.compile_layers).
+    compiles each decoder layer's forward (LogProbModel.compile_layers); context: the longest sequence a pass meets
+    (logprobs.fast_pass_refusal).
     """
     dtype = compute_dtype if frozen or lora else torch.float32
     lm = empty_model(path, dtype)
@@ -63,7 +67,7 @@ def build(path, device, compute_dtype, grad_checkpointing=False, frozen=False, o
     lm.config.use_cache = False
     if grad_checkpointing and not frozen:
         lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    model = LogProbModel(lm)
+    model = LogProbModel(lm, context)
     if compile:  # each layer's own forward, inside FSDP2's hooks and checkpointing (LogProbModel.compile_layers)
         model.compile_layers()
     if lora:

@@ -39,7 +39,6 @@ class Rollout:
     truncated: torch.Tensor    # (groups sampled * G,) 1 where a completion ran to max_new_tokens
     failures: list             # every rank's scorer failures, {reward: {kind: n}}
     stats: dict = field(default_factory=dict)  # sampling/... (dynamic sampling's rounds)
-    extra: dict = field(default_factory=dict)  # a TRL-style reward's log_extra: {column: this rank's values}
 
 
 def trainer_state(step, cursor, cfg, sizes, num_prompts):
@@ -77,9 +76,11 @@ def rollout(examples, seed, tokenizer, sampler, scorer, cfg, seconds, sleep=Fals
     with timed(seconds, "reward"):
         scores, failures = scorer([c.text for c in flat], [ex for ex in examples for _ in range(G)],
                                   completion_ids=[c.token_ids for c in flat])        # (n * G, R)
+    for i, c in enumerate(flat):  # log_extra's values travel with their completion (dynamic sampling moves groups)
+        c.extra = {column: values[i] for column, values in scorer.extra.items() if i < len(values)}
     rewards = dist.all_gather(scores).view(-1, G, scores.shape[1]).double()          # (B, G, R)
     lengths = dist.all_gather(torch.tensor([float(len(c.token_ids)) for c in flat])).view(-1, G)  # (B, G)
     truncated = dist.all_gather(torch.tensor([float(c.finish_reason == "length") for c in flat]))  # (B * G,)
     failures = [RewardScorer.merge([f]) for f in dist.all_gather_object(failures)]
     RewardScorer.check(RewardScorer.merge(failures))  # a reward that broke its contract on any rank: every rank stops
-    return Rollout(prompts, groups, rewards, lengths, rewards.cpu(), lengths, truncated, failures, extra=scorer.extra)
+    return Rollout(prompts, groups, rewards, lengths, rewards.cpu(), lengths, truncated, failures)

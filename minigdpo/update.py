@@ -149,7 +149,7 @@ def update(model, opt, sched, batches, cfg):
     for it in range(cfg.num_iterations):
         opt.zero_grad(set_to_none=True)
         for i, mb in enumerate(batches):
-            last = i == len(batches) - 1  # gradients cross ranks once per optimizer step (cfg.reduce_grads)
+            last = i == len(batches) - 1  # --reduce-grads step: across ranks at the last; micro_batch: at each
             dist.reduce_gradients(model, reduce_scatter=last or cfg.reduce_grads == "micro_batch", all_reduce=last)
             logp, entropy = model(mb, cfg.temperature, cfg.logprob_chunk, entropy=True)  # (N, T) each
             old = logp.detach() if mb.old_logp is None else mb.old_logp  # 1 iteration: the sampling policy is this one
@@ -165,12 +165,9 @@ def update(model, opt, sched, batches, cfg):
                 totals["ratio_min"] = torch.minimum(totals["ratio_min"], stats["ratio_min"])
                 totals["ratio_max"] = torch.maximum(totals["ratio_max"], stats["ratio_max"])
         grad_norm = clip_grad(model, cfg.max_grad_norm)
-        # A NaN/inf gradient skips the step instead of poisoning the weights: fused AdamW reads found_inf on the
-        # device (as under a GradScaler), so no host waits for the norm; the learning-rate schedule moves on.
-        opt.found_inf = (~torch.isfinite(grad_norm)).float()
+        totals["skipped_steps"] = totals["skipped_steps"] + skip_if_not_finite(opt, grad_norm)
         opt.step()
-        sched.step()
-        totals["skipped_steps"] = totals["skipped_steps"] + opt.found_inf
+        sched.step()  # the schedule follows the run's steps, a skipped one too
         totals["grad_norm"] = grad_norm
     opt.zero_grad(set_to_none=True)  # free the gradients before the sampler wakes up
     return totals
@@ -192,6 +189,18 @@ def optimizer(model, lr, weight_decay):
     groups = [{"params": ps, "weight_decay": wd} for ps, wd in ((decay, weight_decay), (no_decay, 0.0)) if ps]
     # fused: one kernel per step, no foreach temporaries the size of the model
     return torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.999), eps=1e-8, fused=True)
+
+
+def skip_if_not_finite(opt, grad_norm):
+    """Have opt's next step skip itself on the device where the gradient norm is NaN or inf, instead of poisoning
+    the weights: fused AdamW reads found_inf as under a GradScaler (its step count stays too), so no host waits for
+    the norm. Returns found_inf, 1.0 for a step that will be skipped. Only fused AdamW reads it (the others assert
+    it is None): anything else is refused. The learning-rate schedule still moves on: it follows the run's steps."""
+    if not opt.defaults.get("fused"):
+        raise ValueError(f"a step that skips itself needs a fused AdamW (update.optimizer), not {type(opt).__name__} "
+                         "without fused=True")
+    opt.found_inf = (~torch.isfinite(grad_norm)).float()
+    return opt.found_inf
 
 
 def lr_lambda(total_steps, warmup_ratio, schedule):

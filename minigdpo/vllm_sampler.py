@@ -53,6 +53,7 @@ import random
 import shutil
 import socket
 import tempfile
+import weakref
 
 import numpy as np
 import torch
@@ -74,7 +75,7 @@ def request_seeds(seed, num_prompts, n):
 
     vLLM draws sample j of a request from the stream `seed + j` (vllm/v1/engine/parallel_sampling.py:81): one
     seed shared by every prompt would give sample j of every prompt the same noise. Calls with other seeds
-    (train.py adds the rank and the step) use disjoint blocks of B * n streams. The CPU build samples on vLLM's
+    (rollout.step_prompts adds the rank, the step and the round) use disjoint blocks of B * n streams. The CPU build samples on vLLM's
     V1 path and 0.33.0 on CUDA on V2: the same seed draws other tokens on each.
 
     Kept below 2**62, so that seed + j stays an int64 too: the V2 model runner stores seeds as int64
@@ -134,6 +135,16 @@ def kv_cache_bytes(config, max_model_len, dtype):
     return 2 * config.num_hidden_layers * kv_heads * head_dim * dtype.itemsize * max_model_len
 
 
+SHM = "/dev/shm"  # where adapter folders go, in memory, where it has room (Docker gives it 64 MB by default)
+
+
+def adapter_root(nbytes):
+    """A new folder for a run's adapter folders: in SHM where it has room for two adapters of `nbytes` (the next one
+    is written before the last one goes) and 1 MiB more, else in the temporary directory."""
+    roomy = os.path.isdir(SHM) and shutil.disk_usage(SHM).free >= 2 * nbytes + 2**20
+    return tempfile.mkdtemp(prefix="minigdpo-lora-", dir=SHM if roomy else None)
+
+
 class VLLMSampler:
     """Sampler interface over a colocated vLLM engine (see the module docstring for the order of calls)."""
 
@@ -178,6 +189,7 @@ class VLLMSampler:
         # (aliases: the first name of a tied tensor -> its other names).
         self.expected, self.aliases = [n for n in lm.state_dict() if not lora or adapters.is_adapter(n)], {}
         self.adapted = lm if lora else None  # on the meta device: its peft config is what load_adapters writes
+        self.adapter_root, self.lora_path, self.adapter_number = None, None, 0  # load_adapters' folders
         for name, first in tied_names(lm).items():
             self.aliases.setdefault(first, []).append(name)
 
@@ -245,12 +257,16 @@ class VLLMSampler:
             sent.append(name)
             state["base_model.model." + name.replace(f".{adapters.ADAPTER}.", ".")] = tensor.detach()
         check_sync(self.expected, sent)
-        folder = tempfile.mkdtemp(prefix="minigdpo-lora-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
+        if self.adapter_root is None:
+            self.adapter_root = adapter_root(sum(t.numel() * t.element_size() for t in state.values()))
+            weakref.finalize(self, shutil.rmtree, self.adapter_root, True)  # a crash or exit without close() too
+        folder = tempfile.mkdtemp(dir=self.adapter_root)
         adapters.save_adapter(folder, state, self.adapted)  # what vLLM reads: lora/peft_helper.py:156-169
-        previous, number = self.lora_request, (self.lora_request.lora_int_id + 1 if self.lora_request else 1)
-        self.lora_request = LoRARequest(f"policy-{number}", number, folder)
+        previous, number = self.lora_path, self.adapter_number + 1
+        self.lora_request, self.lora_path, self.adapter_number = LoRARequest(f"policy-{number}", number, folder), \
+            folder, number
         if previous is not None:
-            shutil.rmtree(previous.lora_path, ignore_errors=True)
+            shutil.rmtree(previous, ignore_errors=True)
         self.llm.reset_prefix_cache()
 
     def adapters_off(self):
@@ -282,8 +298,8 @@ class VLLMSampler:
         if self.llm is not None:
             self.llm.llm_engine.engine_core.shutdown()
             self.llm = None
-        if self.lora_request is not None:
-            shutil.rmtree(self.lora_request.lora_path, ignore_errors=True)
+        if self.adapter_root is not None:  # every adapter folder, the one adapters_off() stopped serving too
+            shutil.rmtree(self.adapter_root, ignore_errors=True)
 
 
 # Picking a backend -----------------------------------------------------------------------------

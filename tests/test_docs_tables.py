@@ -11,9 +11,10 @@ import sys
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-TABLES = [("README.md", ["examples/collapse.py", "--example"]),
-          ("docs/estimators.md", ["examples/collapse.py", "--max-group", "8", "--max-rewards", "5"]),
-          ("docs/conditions-and-dynamic-sampling.md", ["examples/collapse.py", "--informative"])]
+sys.path.insert(0, os.path.join(ROOT, "examples"))
+from collapse import DOC_TABLES  # noqa: E402 (the pages `python examples/collapse.py --write-docs` rewrites)
+
+TABLES = [(page, ["examples/collapse.py", *args]) for page, args in DOC_TABLES]
 
 
 @pytest.mark.parametrize("page,command", TABLES, ids=[t[0] for t in TABLES])

@@ -79,28 +79,22 @@ def test_the_circle_finder_finds_one():
 
 
 def test_the_rl_core_stays_within_its_budget():
-    """minigdpo/, train.py and eval.py: at most 5,010 lines, none over 400, no line over 120 characters (README, Reading the code)."""
+    """minigdpo/, train.py and eval.py: at most 5,110 lines, none over 400, no line over 120 characters (README, Reading the code)."""
     core = glob.glob(os.path.join(ROOT, "minigdpo", "*.py")) + [os.path.join(ROOT, f) for f in ("train.py", "eval.py")]
     lengths = {os.path.relpath(p, ROOT): sum(1 for _ in open(p)) for p in core}
     assert max(lengths.values()) <= 400, {p: n for p, n in lengths.items() if n > 400}
-    assert sum(lengths.values()) <= 5010, sum(lengths.values())
+    assert sum(lengths.values()) <= 5110, sum(lengths.values())
     long = [f"{p}:{i}" for p in core for i, line in enumerate(open(p), 1) if len(line.rstrip("\n")) > 120]
     assert not long, long  # no line over 120 characters: the limit is met by cutting, not by cramming
 
 
 def test_the_readme_points_at_the_lines_it_names():
-    """README's "GDPO in three lines" (and docs/) link lines of advantages.py: each must still hold what it names."""
-    import re
-
-    pages = ["README.md"] + glob.glob(os.path.join(ROOT, "docs", "*.md"))
-    readme = "".join(open(os.path.join(ROOT, p)).read() for p in pages)
-    lines = open(os.path.join(ROOT, "minigdpo", "advantages.py")).read().split("\n")
-    expected = {"Eq. 4": "group_zscore(rewards, eps)", "Eq. 5": "weights_of(rewards, weights)).sum",
-                "Eq. 6": "/ (flat.std() + eps)", "group_zscore": "var.sqrt() + eps", "apply_conditions": "def apply_conditions"}
-    anchors = [int(n) for n in re.findall(r"minigdpo/advantages\.py#L(\d+)", readme)]  # README's and docs/'s
-    assert len(anchors) == len(expected)
-    for n in anchors:
-        assert any(code in lines[n - 1] for code in expected.values()), (n, lines[n - 1])
+    """README's "GDPO in three lines" links each equation to the line of advantages.py that computes it, with that
+    line's code as the link's text (the general rule below checks each one holds it): Eq. 4-6 and the z-score."""
+    readme = open(os.path.join(ROOT, "README.md")).read()
+    section = readme.split("### GDPO in three lines", 1)[1].split("The batch step", 1)[0]
+    cited = re.findall(r"\[`([^`]+)`\]\(minigdpo/advantages\.py#L\d+\)", section)
+    assert [c.split(" = ")[0].split("(")[0] for c in cited] == ["a_k", "z", "var", "return ", "a"], cited
 
 
 LINK = re.compile(r"\[([^\]]*)\]\(([^)\s]+)\)")
@@ -108,7 +102,8 @@ LINK = re.compile(r"\[([^\]]*)\]\(([^)\s]+)\)")
 
 def test_every_relative_link_in_the_readme_and_docs_points_somewhere():
     """Each relative link of README.md and docs/*.md names a file that exists; a `file#Lnnn` anchor names a line
-    that exists and, where the link's text is a name (`apply_conditions`), still holds that name."""
+    that exists and still holds what the link's text names: a name (`apply_conditions`) or a line of code in
+    backquotes, so that a line added above it fails here."""
     pages = ["README.md"] + sorted(os.path.relpath(p, ROOT) for p in glob.glob(os.path.join(ROOT, "docs", "*.md")))
     assert len(pages) >= 10
     checked = 0
@@ -124,8 +119,9 @@ def test_every_relative_link_in_the_readme_and_docs_points_somewhere():
                 n = int(anchor[1:])
                 assert 1 <= n <= len(lines), f"{page}: {target} is past the end of {path}"
                 name = text.strip("`")
-                if re.fullmatch(r"[A-Za-z_]\w*", name):
-                    assert name in lines[n - 1], f"{page}: {target} no longer holds {name}: {lines[n - 1]!r}"
+                assert re.fullmatch(r"[A-Za-z_]\w*", name) or text.startswith("`"), \
+                    f"{page}: {target}'s text {text!r} names neither a name nor the line's code"
+                assert name in lines[n - 1], f"{page}: {target} no longer holds {name}: {lines[n - 1]!r}"
             checked += 1
     assert checked > 20
 

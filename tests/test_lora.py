@@ -8,6 +8,8 @@ Run: pytest tests/test_lora.py   (about 2 minutes on 2 cores)
 
 import json
 import os
+import subprocess
+import tempfile
 
 import pytest
 import torch
@@ -239,6 +241,57 @@ def test_vllm_serves_the_adapters_a_new_one_per_sync_and_sleeps_keeping_its_base
     assert not os.path.exists(folders[0]) and os.path.exists(folders[1])  # one adapter's folder at a time
     sampler.close()
     assert not os.path.exists(folders[1])
+
+
+@pytest.fixture
+def small_tmpfs(tmp_path):
+    """A real 1 MB tmpfs: smaller than two of the tiny model's adapters and 1 MiB."""
+    mnt = tmp_path / "shm"
+    mnt.mkdir()
+    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mnt)]).returncode:
+        pytest.skip("needs root to mount a small tmpfs")
+    yield str(mnt)
+    subprocess.run(["umount", str(mnt)])
+
+
+def test_vllm_adapter_folders_go_on_every_exit_path_and_not_into_a_small_shm(tiny, process_group, vllm, small_tmpfs,
+                                                                             monkeypatch):
+    """No adapter folder outlives its sampler: after adapters_off() (every --final-eval of a LoRA run), at close(),
+    and when a crash drops the sampler without close() (weakref.finalize, which also runs at exit). A /dev/shm
+    without room for two adapters (Docker's 64 MB at 7B) sends them to the temporary directory."""
+    import gc
+
+    from minigdpo import vllm_sampler
+
+    path, tok = tiny
+    model, _ = trained(path, process_group, steps=1)
+    monkeypatch.setattr(vllm_sampler, "SHM", small_tmpfs)
+    roots = []
+    for ending in ("adapters_off", "close", "dropped"):
+        vllm.LLM.instances.clear()  # one engine per process: each of these stands for a run of its own
+        sampler = vllm_sampler.VLLMSampler(path, tok, [256], seed=3, max_model_len=128, lora=SETTINGS)
+        sampler.load_weights(model.whole_weights(adapters=sampler.adapters))
+        sampler.load_weights(model.whole_weights(adapters=sampler.adapters))
+        root = sampler.adapter_root
+        assert os.path.dirname(root) == tempfile.gettempdir() and len(os.listdir(root)) == 1  # one folder at a time
+        roots.append(root)
+        if ending == "adapters_off":
+            sampler.adapters_off()
+            sampler.generate([[10, 11, 12]], 1, SamplingParams(max_new_tokens=2))
+            sampler.close()
+        elif ending == "close":
+            sampler.close()
+        else:
+            sampler.llm = None  # a crash: no close(), the sampler is dropped
+            del sampler
+            gc.collect()
+        assert not os.path.exists(root), ending
+    monkeypatch.setattr(vllm_sampler, "SHM", str(os.path.dirname(small_tmpfs)))  # a roomy one: used
+    vllm.LLM.instances.clear()
+    sampler = vllm_sampler.VLLMSampler(path, tok, [256], seed=3, max_model_len=128, lora=SETTINGS)
+    sampler.load_weights(model.whole_weights(adapters=sampler.adapters))
+    assert os.path.dirname(sampler.adapter_root) == os.path.dirname(small_tmpfs)
+    sampler.close()
 
 
 def test_adapter_checkpoint_loads_with_peft_and_the_merged_export_with_transformers(tiny, process_group, tmp_path):

@@ -51,6 +51,14 @@ def test_both_formats_train_with_trl_style_rewards(tmp_path, conversational):
     check_rows(out)
 
 
+def test_log_extra_reaches_the_samples_under_dynamic_sampling(tmp_path):
+    """The columns a reward logs travel with their completions, also when dynamic sampling picks and moves groups."""
+    out = str(tmp_path / "run")
+    train(prompts_file(tmp_path / "p.jsonl", True), out, "--dynamic-sampling", "--max-sample-rounds", "2")
+    samples = read_jsonl(os.path.join(out, "samples.jsonl"))
+    assert samples and all(s["extra"]["chars"] == len(s["completion"]) for s in samples)
+
+
 @pytest.mark.slow
 def test_two_ranks_each_score_their_own_share(tmp_path):
     out = str(tmp_path / "run")
