@@ -7,7 +7,8 @@ function defined inside another. Read with `ast`, never run:
 - the file holds that function;
 - "`f()` in `file.py: g()`" (or in a list of citations joined by commas, "and" or "or") means g calls f: some
   ast.Call in g's own body (its lambdas included, the functions defined inside it not) calls a name or an
-  attribute f; for `dist.f()` the call is on the name `dist`, and dist.py defines f;
+  attribute f, and "`a.f()`" an attribute f of `a` (of any object for a class's, `DTensor.full_tensor()`);
+  for `dist.f()`, dist.py defines f;
 - the table of collectives in docs/gpus.md: in each row, the 'issued at' cell's first citation, and each citation
   after "through", form a chain in which each function calls the next; the last makes the calls the 'collective'
   cell names with parentheses. A `dist.py` wrapper among them (`dist.all_gather()`) calls in turn the torch call
@@ -16,8 +17,8 @@ function defined inside another. Read with `ast`, never run:
 - no line number of a project file is left (`file.py:123`): only other projects' files, whose lines a release
   pins, are cited by line, under the prefixes in OTHER_PROJECTS.
 
-Calls are matched by name: that `model()` runs FSDP2's hooks, or what a collective moves and when, is not checked
-here (docs/gpus.md says how those were traced).
+Calls are matched by name (and the object they are called on): that `model()` runs FSDP2's hooks, or what a
+collective moves and when, is not checked here (docs/gpus.md says how those were traced).
 
 Run: pytest tests/test_docs_citations.py   (about a second)
 """
@@ -76,15 +77,16 @@ def definition(path, name):
 
 
 def calls(fn, call):
-    """How many calls in fn's own body match `call`: `dist.all_gather` a call on the name dist; any other (`model`,
-    `loss.backward`, `DTensor.full_tensor`) a call of that last name, as a function or as an attribute."""
+    """How many calls in fn's own body match `call`: its last name, called as a function or an attribute, and on the
+    object its qualifier names (`dist.all_gather`: on `dist`; `self.model`: on `self`), except a class's (the call
+    `DTensor.full_tensor` is on some object, whose type ast does not know)."""
     *owner, name = call.split(".")
 
     def matches(f):
         if isinstance(f, ast.Name):
             return f.id == name and not owner
         if isinstance(f, ast.Attribute) and f.attr == name:
-            return owner != ["dist"] or (isinstance(f.value, ast.Name) and f.value.id == "dist")
+            return not owner or owner[0][0].isupper() or ast.unparse(f.value) == ".".join(owner)
         return False
 
     return sum(isinstance(node, ast.Call) and matches(node.func) for node in own_nodes(fn))
