@@ -343,10 +343,10 @@ class LogProbModel(nn.Module):
     def fallback_line(self, chunk, max_new_tokens):
         """The line a run prints when the model runs its own forward, with the logits that costs at most per pass."""
         rows = max(1, chunk // max_new_tokens)
-        gib = rows * (max_new_tokens + 1) * self.lm.config.get_text_config().vocab_size * 4 * 3 / 2**20
+        mib = rows * (max_new_tokens + 1) * self.lm.config.get_text_config().vocab_size * 4 * 3 / 2**20
         return (f"log-probs: the model's own forward on full sequences ({self.refusal}: the fast pass does not "
-                f"reproduce it), {rows} row(s) at a time: up to {gib:,.0f} MiB of fp32 logits per pass (--logprob-chunk)"
-                "; --padding-free does nothing; --micro-batch-tokens counts prompts per completion")
+                f"reproduce it), {rows} row(s) at a time: up to {mib:,.0f} MiB of fp32 logits per pass "
+                "(--logprob-chunk); --padding-free does nothing; --micro-batch-tokens counts prompts per completion")
 
 
 def check_batch(model, groups, pad_id, device, layout, max_len=None):

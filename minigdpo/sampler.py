@@ -39,7 +39,7 @@ class Completion:
     logprobs: list
     finish_reason: str = "length"  # "stop" when a stop token ended it
     text: str = field(default="", repr=False)
-    extra: dict = field(default_factory=dict, repr=False)  # a TRL-style reward's log_extra values for it (samples.jsonl)
+    extra: dict = field(default_factory=dict, repr=False)  # a TRL-style reward's log_extra values (samples.jsonl)
 
 
 class WeightSyncError(RuntimeError):

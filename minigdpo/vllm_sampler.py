@@ -75,8 +75,8 @@ def request_seeds(seed, num_prompts, n):
 
     vLLM draws sample j of a request from the stream `seed + j` (vllm/v1/engine/parallel_sampling.py:81): one
     seed shared by every prompt would give sample j of every prompt the same noise. Calls with other seeds
-    (rollout.step_prompts adds the rank, the step and the round) use disjoint blocks of B * n streams. The CPU build samples on vLLM's
-    V1 path and 0.33.0 on CUDA on V2: the same seed draws other tokens on each.
+    (rollout.step_prompts adds the rank, the step and the round) use disjoint blocks of B * n streams. The CPU
+    build samples on vLLM's V1 path and 0.33.0 on CUDA on V2: the same seed draws other tokens on each.
 
     Kept below 2**62, so that seed + j stays an int64 too: the V2 model runner stores seeds as int64
     (vllm/v1/worker/gpu/sample/states.py:58).
