@@ -120,7 +120,7 @@ def swap_in(sampler, tokenizer, source, path, args, kind):
     sampler with `path`'s weights streamed in when the two share their shapes and vocabulary, else a new
     one. With vLLM it must be the same engine: its CuMem allocator serves one engine per process
     (vllm/v1/worker/gpu_worker.py:413-416)."""
-    if getattr(sampler, "adapters", False) and path == source:  # a LoRA run's sampler holds its base: adapters off
+    if getattr(sampler, "adapters_only", False) and path == source:  # a LoRA run's sampler holds its base: adapters off
         sampler.adapters_off()
         return sampler, tokenizer
     if same_shape(source, path):

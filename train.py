@@ -45,7 +45,7 @@ from tqdm import tqdm
 
 from minigdpo import checkpoint, config, dist, dynamic_sampling, logprobs, lora, microbatch, models, policy, rollout
 from minigdpo.advantages import Condition, apply_conditions, distinct_per_group, per_reward_stats
-from minigdpo.estimators import ESTIMATORS, REGISTRY
+from minigdpo.estimators import REGISTRY
 from minigdpo.data import DataError
 from minigdpo.rollout import timed
 from minigdpo.update import fill_logprobs, optimizer, scheduler, step_metrics, update
@@ -64,9 +64,9 @@ def run_training(argv=None):
     check_sampler(cfg, resolve_kind(cfg.sampler))  # a missing vLLM or GPU, or settings vLLM cannot honour
     path = models.resolve_model(cfg.model)  # built-in models are built before the process group exists
     models.check_context(path, cfg.max_prompt_len + cfg.max_new_tokens)  # still before any weights load
-    adapters = lora.settings(cfg)  # None: full fine-tuning
-    if adapters:
-        policy.check_lora_targets(path, adapters.targets)
+    lora_settings = lora.settings(cfg)  # None: full fine-tuning
+    if lora_settings:
+        policy.check_lora_targets(path, lora_settings.targets)
     try:
         device = dist.init(cfg.sharding)
     except ValueError as e:  # nodes with different numbers of ranks cannot form an HSDP mesh
@@ -86,9 +86,10 @@ def run_training(argv=None):
     scorer.place_models(device, dtype, cfg.reward_model_batch_size, cfg.reward_model_placement, policy.build_classifier)
     compiled = cfg.compile == "true" or (cfg.compile == "auto" and device.type == "cuda")
     context = cfg.max_prompt_len + cfg.max_new_tokens  # the longest sequence a pass may meet
-    model = policy.build(path, device, dtype, cfg.grad_checkpointing, lora=adapters, compile=compiled, context=context)
+    model = policy.build(path, device, dtype, cfg.grad_checkpointing, lora_settings=lora_settings, compile=compiled,
+                         context=context)
     ref = None  # with LoRA the reference is the policy with its adapters off
-    if cfg.beta > 0 and not adapters:
+    if cfg.beta > 0 and not lora_settings:
         ref = policy.build(path, device, dtype, frozen=True, offload=cfg.ref_offload, compile=compiled, context=context)
     lm_config = model.lm.config
     opt = optimizer(model, cfg.lr, cfg.weight_decay)  # the parameters that require grad: with LoRA, the adapters
@@ -102,7 +103,7 @@ def run_training(argv=None):
     stop_ids = models.stop_token_ids(model.lm.config, model.lm.generation_config, tokenizer)
     sampler = make_sampler(cfg.sampler, path, device, tokenizer, stop_ids, dtype, seed=cfg.seed + dist.rank(),
                            gpu_memory_utilization=cfg.vllm_gpu_memory_utilization, kv_cache_gib=cfg.vllm_kv_cache_gib,
-                           max_model_len=cfg.max_prompt_len + cfg.max_new_tokens, lora=adapters)
+                           max_model_len=cfg.max_prompt_len + cfg.max_new_tokens, lora_settings=lora_settings)
     gap_warn = cfg.logp_gap_warn or (1e-3 if dtype == torch.float32 else 0.05)  # config.py's logp_gap_warn
     save_dtype = models.source_dtype(path)  # exports keep the checkpoint's dtype, not the fp32 master copy's
 
@@ -116,12 +117,12 @@ def run_training(argv=None):
         else:
             state = checkpoint.load(last, model, opt, sched)
             start, cursor = state["step"], state["cursor"]
-            sampler.load_weights(model.whole_weights(dtype, adapters=sampler.adapters))
+            sampler.load_weights(model.whole_weights(dtype, adapters_only=sampler.adapters_only))
             dist.print0(f"resumed from {last} at step {start}")
 
     if model.refusal:
         dist.print0(model.fallback_line(cfg.logprob_chunk, cfg.max_new_tokens))
-    order, checked, unchecked = PromptOrder(len(task.examples), cfg.seed), {}, model.fast
+    order, self_check, check_due = PromptOrder(len(task.examples), cfg.seed), {}, model.fast
     options = REGISTRY[cfg.estimator].options(cfg)  # the estimator's own flags (gd2po's mode and tau, SAW's shift)
     log = Logger(cfg.output_dir, sizes.total_steps, start, run, cfg.wandb)
 
@@ -144,7 +145,7 @@ def run_training(argv=None):
 
         # 4. Advantages over the global batch (GDPO's batch step must see every rank's groups).
         conditioned = apply_conditions(batch.rewards, names, conditions)                      # (S, G, R) Eq. 8
-        adv_all = ESTIMATORS[cfg.estimator](conditioned, weights.to(conditioned.device), lengths=batch.lengths,
+        adv_all = REGISTRY[cfg.estimator].advantages(conditioned, weights.to(conditioned.device), lengths=batch.lengths,
                                             **options)                                          # (S, G)
         first = dist.rank() * n_groups // dist.world_size()
         adv = adv_all[first:first + len(batch.prompts)].float().cpu()                         # (this rank's S, G)
@@ -155,14 +156,14 @@ def run_training(argv=None):
             # 5. Micro-batches (minigdpo/microbatch.py); the reference's log-probs (and the old policy's).
             with timed(seconds, "logprob"):
                 groups = list(zip(batch.prompts, batch.completions, adv))
-                if unchecked:  # every run checks its fast pass once, at its first update
-                    checked = check_fast_pass(model, ref, groups, cfg, tokenizer.pad_token_id, device, dtype, log)
-                    unchecked = False
+                if check_due:  # every run checks its fast pass once, at its first update
+                    self_check = check_fast_pass(model, ref, groups, cfg, tokenizer.pad_token_id, device, dtype, log)
+                    check_due = False
                 layout = ("packed" if cfg.padding_free else "padded") if model.fast else None
                 batches = microbatch.cut(groups, cfg, tokenizer.pad_token_id, device, layout)
                 if ref is not None:
                     fill_logprobs(ref, batches, "ref_logp", cfg, reshard=True)
-                elif adapters and cfg.beta > 0:
+                elif lora_settings and cfg.beta > 0:
                     with lora.adapters_off(model):
                         fill_logprobs(model, batches, "ref_logp", cfg)
                 if cfg.num_iterations > 1:
@@ -174,11 +175,11 @@ def run_training(argv=None):
 
             # 7. The sampler gets the new weights, streamed one whole tensor at a time.
             with timed(seconds, "sync"):
-                sampler.load_weights(model.whole_weights(dtype, adapters=sampler.adapters))
+                sampler.load_weights(model.whole_weights(dtype, adapters_only=sampler.adapters_only))
 
         # 8. Log, and checkpoint when due. Rewards and lengths describe every completion sampled this step.
-        m = reward_metrics(batch.sampled_rewards, names, batch.failures) | batch.stats | checked
-        checked = {}
+        m = reward_metrics(batch.sampled_rewards, names, batch.failures) | batch.stats | self_check
+        self_check = {}  # logged once
         if not cfg.dynamic_sampling:  # what dynamic sampling would have dropped, logged without it too
             m["sampling/uninformative_frac"] = 1 - dynamic_sampling.informative(
                 batch.rewards, names, conditions, weights, cfg).float().mean().item()
@@ -209,7 +210,8 @@ def run_training(argv=None):
         if (cfg.save_every and step % cfg.save_every == 0) or step == sizes.total_steps:
             try:
                 where = checkpoint.save(cfg.output_dir, step, model, opt, sched, tokenizer, {"cursor": cursor, **run},
-                                        save_dtype, cfg.keep_checkpoints, export_hf=not adapters or cfg.merge_on_save)
+                                        save_dtype, cfg.keep_checkpoints,
+                                        export_hf=not lora_settings or cfg.merge_on_save)
                 log.write(f"step {step}: saved {where}")
             except checkpoint.CheckpointError as e:
                 log.write(f"error: {e}", error=True)

@@ -39,10 +39,10 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from minigdpo.estimators import ESTIMATORS, REGISTRY, informative_groups  # noqa: E402
+from minigdpo.estimators import REGISTRY, informative_groups  # noqa: E402
 
 DECIMALS = 6
-COUNTED = tuple(e for e in ESTIMATORS if not e.startswith("saw_"))  # SAW's weights come from the batch (above)
+COUNTED = tuple(e for e in REGISTRY if not e.startswith("saw_"))  # SAW's weights come from the batch (above)
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # The pages that show a table this script prints, each in the fenced block after the line naming its command
 # (tests/test_docs_tables.py checks them; --write-docs rewrites them, as a new estimator needs)
@@ -75,7 +75,7 @@ def count_all(group_size, num_rewards, estimators=COUNTED):
     if group_size < 2 or num_rewards < 1:
         raise ValueError("group_size must be >= 2 and num_rewards >= 1")
     groups = enumerate_groups(group_size, num_rewards)            # (M, G, R)
-    return {name: distinct_rows(ESTIMATORS[name](groups, None, eps=0.0)) for name in estimators}  # (M, G) each
+    return {name: distinct_rows(REGISTRY[name].advantages(groups, None, eps=0.0)) for name in estimators}  # (M, G) each
 
 
 def count_distinct(estimator, group_size, num_rewards):
@@ -129,7 +129,7 @@ def plot(rows, path):
 def two_sample_example():
     """The paper's smallest case (G=2, two binary rewards): every group and its advantages."""
     groups = enumerate_groups(2, 2)                                # (10, 2, 2)
-    grpo = ESTIMATORS["grpo"](groups, None)                        # (10, 2)
+    grpo = REGISTRY["grpo"].advantages(groups, None)                        # (10, 2)
     gdpo_sum = REGISTRY["gdpo"].group_step(groups, None)           # (10, 2) Eq. 4-5, before the batch step
     lines = [f"{'rewards of the 2 samples':<26} {'grpo advantages':>18} {'gdpo, Eq. 4-5':>18}"]
     for g, a, b in zip(groups.tolist(), grpo.tolist(), gdpo_sum.tolist()):
@@ -142,13 +142,13 @@ def informative_table(cases=((2, 2), (2, 3), (3, 3), (4, 2), (4, 3), (4, 4), (6,
     """For every binary group of G samples and R rewards (a multiset of G reward vectors): how many a
     variance filter on the summed reward keeps (DAPO's, and the peers'), how many each estimator can
     learn from (informative_groups), and how many GDPO can use that the summed filter drops."""
-    lines = [f"{'G':>3} {'R':>3} {'groups':>8} {'sum varies':>11} " + " ".join(f"{e:>11}" for e in ESTIMATORS)
+    lines = [f"{'G':>3} {'R':>3} {'groups':>8} {'sum varies':>11} " + " ".join(f"{e:>11}" for e in REGISTRY)
              + f" {'gdpo only':>10}"]
     for G, R in cases:
         patterns = torch.tensor(list(itertools.product([0.0, 1.0], repeat=R)), dtype=torch.float64)  # (2^R, R)
         groups = patterns[torch.tensor(list(itertools.combinations_with_replacement(range(2**R), G)))]  # (M, G, R)
         summed = groups.sum(-1).std(dim=1) > 0                                                        # (M,)
-        keeps = {e: informative_groups(groups, None, e) for e in ESTIMATORS if not (e == "gdpo_nemo" and R < 2)}
+        keeps = {e: informative_groups(groups, None, e) for e in REGISTRY if not (e == "gdpo_nemo" and R < 2)}
         lines.append(f"{G:>3} {R:>3} {len(groups):>8} {int(summed.sum()):>11} "
                      + " ".join(f"{int(k.sum()):>11}" for k in keeps.values())
                      + f" {int((keeps['gdpo'] & ~summed).sum()):>10}")

@@ -33,7 +33,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from minigdpo.estimators import ESTIMATORS, informative_groups  # noqa: E402
+from minigdpo.estimators import REGISTRY, informative_groups  # noqa: E402
 from minigdpo.update import policy_loss  # noqa: E402
 
 BITS = 8
@@ -44,7 +44,7 @@ SETTINGS = {  # name: (reward bit groups, group size G)
 }
 NAMES = {3: ["easy", "medium", "hard"]}
 # GRPO, GDPO and GDPO's successors at their defaults (gd2po: snr, tau 0.8; SAW: no shift, the rewards are 0/1).
-ESTIMATORS_RUN = ("grpo", "gdpo", "gd2po", "saw_gdpo", "saw_grpo")
+REGISTRY_RUN = ("grpo", "gdpo", "gd2po", "saw_gdpo", "saw_grpo")
 COLOURS = {"grpo": "tab:blue", "gdpo": "tab:red", "gd2po": "tab:green", "saw_gdpo": "tab:purple", "saw_grpo": "tab:orange"}
 
 
@@ -83,7 +83,7 @@ def run(estimator, groups, G, seed, steps=200, prompts=32, batch=16, lr=0.05, dy
         idx, bits, rewards = (torch.cat(parts)[:batch] for parts in zip(*kept))  # (K, ...), K <= batch
         if len(idx) == 0:
             continue
-        adv = ESTIMATORS[estimator](rewards, None)                            # (K, G)
+        adv = REGISTRY[estimator].advantages(rewards, None)                            # (K, G)
         lp = torch.nn.functional.logsigmoid(torch.where(bits == 1, 1.0, -1.0) * logits[idx][:, None])  # (K, G, BITS)
         lp = lp.reshape(len(idx) * G, BITS)                                   # (N, T): one token per bit
         loss, _ = policy_loss(lp, lp.detach(), None, adv.reshape(-1), torch.ones_like(lp), beta=0.0)
@@ -105,8 +105,8 @@ def main():
     p.add_argument("--steps", type=int, default=200)
     p.add_argument("--plot", metavar="PNG", help="draw the curves of every setting")
     p.add_argument("--dynamic-sampling", action="store_true", help="compare every setting with and without it")
-    p.add_argument("--estimators", default=",".join(ESTIMATORS_RUN),
-                   help=f"comma-separated, of {', '.join(ESTIMATORS)} (default: {','.join(ESTIMATORS_RUN)})")
+    p.add_argument("--estimators", default=",".join(REGISTRY_RUN),
+                   help=f"comma-separated, of {', '.join(REGISTRY)} (default: {','.join(REGISTRY_RUN)})")
     args = p.parse_args()
     torch.set_num_threads(1)
     t0 = time.time()

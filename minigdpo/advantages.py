@@ -1,6 +1,6 @@
 """Advantage estimators: GRPO, GRPO without std, GDPO (arXiv 2601.05242), and the GDPO
 variants of verl and NeMo-RL. GDPO's successors, GD2PO and SAW, are in minigdpo/successors.py;
-minigdpo/estimators.py names them all (ESTIMATORS) for the command line.
+minigdpo/estimators.py names them all (REGISTRY) for the command line.
 
 Every estimator is a pure function with one signature:
 

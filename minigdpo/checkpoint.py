@@ -325,7 +325,7 @@ def save(output_dir, step, model, optimizer, sched, tokenizer, trainer_state, sa
             os.replace(tmp, final)
             _prune(output_dir, keep)
 
-    phases = [("prepare", prepare), ("adapter", write_adapter if model.lora else None),
+    phases = [("prepare", prepare), ("adapter", write_adapter if model.has_adapters else None),
               ("hf", (lambda: _write_hf(model, tokenizer, os.path.join(tmp, "hf"), save_dtype)) if export_hf else None),
               ("state", write_state), ("finish", finish), ("rename", rename)]
     for name, run in phases:

@@ -12,7 +12,7 @@ import inspect
 import math
 from dataclasses import MISSING, asdict, dataclass, field, fields
 
-from minigdpo.estimators import ESTIMATORS
+from minigdpo.estimators import REGISTRY
 from minigdpo.update import AGGREGATIONS, TRL_NAMES
 from rewards import TASKS
 
@@ -214,7 +214,7 @@ PRESETS = {
                   output_dir="runs/smoke", sampler="hf", warmup_ratio=0.0, reward_timeout=5.0),
 }
 
-CHOICES = {"estimator": tuple(ESTIMATORS), "task": tuple(TASKS), "loss_agg": AGGREGATIONS + tuple(TRL_NAMES),
+CHOICES = {"estimator": tuple(REGISTRY), "task": tuple(TASKS), "loss_agg": AGGREGATIONS + tuple(TRL_NAMES),
            "preset": tuple(PRESETS), "lr_schedule": ("cosine", "constant"), "sampler": ("auto", "hf", "vllm"),
            "dtype": ("auto", "bf16", "fp32"), "length_unit": ("tokens", "words"), "answer_format": ("answer", "boxed"),
            "on_save_error": ("stop", "continue"), "sharding": ("auto", "fsdp", "hsdp"), "gd2po_mode": ("hard", "snr"),

@@ -1,6 +1,6 @@
 """Every advantage estimator, registered once, and the question dynamic sampling asks each of them.
 
-    ESTIMATORS[name](rewards, weights, lengths=None, **options)   # rewards (B, G, R), weights (R,) -> (B, G)
+    REGISTRY[name].advantages(rewards, weights, lengths=None, **options)  # rewards (B, G, R), weights (R,) -> (B, G)
 
 GRPO, GDPO and the peers' GDPOs are in minigdpo/advantages.py, GDPO's successors in minigdpo/successors.py, and
 the loop-over-groups twin of each in minigdpo/advantages_naive.py. REGISTRY holds, for each name, the estimator,
@@ -78,7 +78,6 @@ REGISTRY = {
     "saw_grpo": Estimator(successors.saw_grpo, successors.saw_grpo, naive.saw_grpo_naive, naive.saw_grpo_naive,
                           _saw_options),
 }
-ESTIMATORS = {name: e.advantages for name, e in REGISTRY.items()}
 
 
 def informative_groups(rewards, weights, estimator, tol=1e-6, **options):

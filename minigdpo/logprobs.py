@@ -284,7 +284,7 @@ class LogProbModel(nn.Module):
         self.lm = lm
         self.refusal = fast_pass_refusal(lm, context)  # "" where the fast pass reproduces lm's own forward
         self.fast = not self.refusal
-        self.lora = False  # policy.build sets it when peft's adapters are in lm (whole_weights: merged, or adapters)
+        self.has_adapters = False  # policy.build sets it where peft's adapters are in lm (whole_weights reads it)
         if self.fast:
             for layer in decoder_layers(lm):
                 layer.layer_packed = layer_packed.__get__(layer)
@@ -316,21 +316,21 @@ class LogProbModel(nn.Module):
             return out
         return out, ent.new_zeros(mb.completion_ids.shape).index_put(where, ent)
 
-    def whole_weights(self, dtype=None, main_only=False, adapters=False):
+    def whole_weights(self, dtype=None, main_only=False, adapters_only=False):
         """Yield (Hugging Face name, whole tensor) one parameter at a time, in `dtype` when given.
 
         Memory stays bounded by one full tensor. Tied weights appear once, under the first name (the
         input embedding), as in Hugging Face checkpoints. Every rank must iterate to the end, in the same
         order: each step is a collective. main_only=True gathers each tensor on rank 0 alone (the other
         ranks get None), for a writer that only rank 0 runs. A LoRA model yields its merged weights
-        under the base model's names (lora.merged_state), or with adapters=True its adapters alone.
+        under the base model's names (lora.merged_state), or with adapters_only=True its adapters alone.
         """
         tied = self.tied_names()
-        if self.lora:
+        if self.has_adapters:
             from minigdpo import lora  # minigdpo/lora.py imports only dist: no circle
 
-            yield from lora.adapter_weights(self.lm, dtype) if adapters else lora.merged_state(self.lm, dtype, tied,
-                                                                                                 main_only)
+            yield from (lora.adapter_weights(self.lm, dtype) if adapters_only
+                        else lora.merged_state(self.lm, dtype, tied, main_only))
             return
         for name, t in self.lm.state_dict(keep_vars=True).items():
             if name not in tied:  # cast first: fewer bytes to gather

@@ -9,7 +9,7 @@ sampler holds a whole copy of its own (minigdpo/sampler.py, minigdpo/vllm_sample
 
 import torch
 
-from minigdpo import dist, lora as lora_adapters
+from minigdpo import dist, lora
 from minigdpo.logprobs import LogProbModel, decoder_layers
 from minigdpo.models import empty_model, load_model, safetensors_files
 
@@ -18,7 +18,7 @@ def check_lora_targets(path, targets):
     """ConfigError unless every --lora-targets name matches a linear layer in the decoder layers of
     the model at `path`, checked on the meta device, before any weights load."""
     lm = empty_model(path, torch.float32)
-    lora_adapters.check_targets(lm, decoder_layers(lm), targets)
+    lora.check_targets(lm, decoder_layers(lm), targets)
 
 
 def shard_reader(path, lm):
@@ -44,34 +44,34 @@ def shard_reader(path, lm):
     return read
 
 
-def build(path, device, compute_dtype, grad_checkpointing=False, frozen=False, offload=False, lora=None, compile=False,
-          context=None):
+def build(path, device, compute_dtype, grad_checkpointing=False, frozen=False, offload=False, lora_settings=None,
+          compile=False, context=None):
     """Build on the meta device, wrap for log-probs, shard with FSDP2 over all ranks, then have each
     rank read only its own shards (start-up host memory: this rank's shards plus the read rows, about
     1.5 x fp32 model / world for a bf16 checkpoint; a checkpoint shard_reader cannot read is loaded whole first).
 
     The trained model keeps fp32 master weights and computes in compute_dtype; the frozen
     reference needs no master copy and is loaded in compute_dtype directly (half the memory in bf16).
-    With `lora` (lora.Settings) peft's adapters are injected before sharding: the frozen base is
+    With `lora_settings` (lora.Settings) peft's adapters are injected before sharding: the frozen base is
     loaded in compute_dtype like the reference, and only the adapters keep fp32 master weights. compile=True
     compiles each decoder layer's forward (LogProbModel.compile_layers); context: the longest sequence a pass meets
     (logprobs.fast_pass_refusal).
     """
-    dtype = compute_dtype if frozen or lora else torch.float32
+    dtype = compute_dtype if frozen or lora_settings else torch.float32
     lm = empty_model(path, dtype)
     read = shard_reader(path, lm)
     if read is None:  # names or shapes that differ from the checkpoint's: transformers converts them
         lm = load_model(path, dtype)
-    if lora:
-        read = lora_adapters.attach(lm, lora, read)
+    if lora_settings:
+        read = lora.attach(lm, lora_settings, read)
     lm.config.use_cache = False
     if grad_checkpointing and not frozen:
         lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model = LogProbModel(lm, context)
     if compile:  # each layer's own forward, inside FSDP2's hooks and checkpointing (LogProbModel.compile_layers)
         model.compile_layers()
-    if lora:
-        model.lora = True
+    if lora_settings:
+        model.has_adapters = True
     if frozen:
         model.requires_grad_(False)
         model.eval()

@@ -2,7 +2,7 @@
 
     sampler.generate(prompt_token_ids, n, params) -> [[Completion] * n for each prompt]
     sampler.load_weights(named_tensors)           # the trainer's new weights, by HF name (with LoRA and
-                                                  # sampler.adapters: the adapters alone, by peft's names)
+                                                  # sampler.adapters_only: the adapters alone, by peft's names)
     sampler.sleep(); sampler.wake()               # free and restore accelerator memory
 
 A Completion holds the sampled token ids (ending with the stop token when one was drawn),
@@ -146,8 +146,8 @@ class HFSampler:
         self.full_attention = full_attention(model.config)
         # With peft's LoRA layers in the model (make_sampler), a sync sends the adapters alone: the base weights
         # stay those of the checkpoint, as the trainer's frozen base does.
-        self.adapters = hasattr(model, "peft_config")
-        self.expected = [n for n in weight_names(model) if not self.adapters or is_adapter(n)]
+        self.adapters_only = hasattr(model, "peft_config")
+        self.expected = [n for n in weight_names(model) if not self.adapters_only or is_adapter(n)]
         self.stop_ids = torch.tensor(sorted(stop_ids), device=device)
         self.pad_id = pad_id
         self.device = device

@@ -1,6 +1,6 @@
 """GDPO's successors: GD2PO (arXiv 2606.16771) and SAW (arXiv 2606.07705), as their official code computes them.
 
-Called like every estimator in minigdpo/advantages.py; minigdpo/estimators.py registers them in ESTIMATORS:
+Called like every estimator in minigdpo/advantages.py; minigdpo/estimators.py registers them in REGISTRY:
 
     advantages = gd2po(rewards, weights, lengths=None, mode="snr", tau=0.8)    # (B, G, R) -> (B, G)
     advantages = saw_gdpo(rewards, weights, lengths=None, shift=None)

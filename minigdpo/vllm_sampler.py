@@ -58,7 +58,7 @@ import weakref
 import numpy as np
 import torch
 
-from minigdpo import dist, lora as adapters, models
+from minigdpo import dist, lora, models
 from minigdpo.sampler import Completion, HFSampler, WeightSyncError, check_sync, tied_names
 
 # The builds this file is written against, and what each wheel declares (its METADATA); setup.py's own
@@ -149,7 +149,7 @@ class VLLMSampler:
     """Sampler interface over a colocated vLLM engine (see the module docstring for the order of calls)."""
 
     def __init__(self, model_path, tokenizer, stop_ids, seed=0, dtype=None, gpu_memory_utilization=0.3,
-                 max_model_len=2048, max_num_seqs=256, kv_cache_gib=0.0, lora=None):
+                 max_model_len=2048, max_num_seqs=256, kv_cache_gib=0.0, lora_settings=None):
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")  # not INFO and WARNING lines at every weight sync
         import vllm
         from vllm.platforms import current_platform
@@ -160,12 +160,13 @@ class VLLMSampler:
         self.can_sleep = current_platform.is_sleep_mode_available()
         dtype = dtype or torch.bfloat16
         lm = models.empty_model(model_path, torch.float32)  # its config, and the names every sync must send
-        options, self.adapters, self.lora_request = {}, bool(lora), None
-        if lora:  # vLLM applies the adapters itself (lora/punica_wrapper, a CPU one too): a sync sends only them
-            adapters.attach(lm, lora, lambda *_: None)  # on the meta device: the adapters' names and peft's config
-            if lora.rank > max(LORA_RANKS):
-                raise SamplerUnavailable(f"--lora-rank {lora.rank}: vLLM serves ranks up to {max(LORA_RANKS)}")
-            options.update(enable_lora=True, max_loras=1, max_lora_rank=min(r for r in LORA_RANKS if r >= lora.rank))
+        options, self.adapters_only, self.lora_request = {}, bool(lora_settings), None
+        if lora_settings:  # vLLM applies the adapters itself (lora/punica_wrapper, a CPU one too): a sync sends them
+            rank = lora_settings.rank
+            lora.attach(lm, lora_settings, lambda *_: None)  # on the meta device: the adapters' names and peft's config
+            if rank > max(LORA_RANKS):
+                raise SamplerUnavailable(f"--lora-rank {rank}: vLLM serves ranks up to {max(LORA_RANKS)}")
+            options.update(enable_lora=True, max_loras=1, max_lora_rank=min(r for r in LORA_RANKS if r >= rank))
         if current_platform.is_cpu():
             # On CPU the memory share counts the node's whole RAM, less all this process holds, trainer included
             # (v1/worker/cpu_worker.py:72-76, 235-236 in 0.32.0): a size in bytes is what a user can plan.
@@ -187,8 +188,8 @@ class VLLMSampler:
         self.weights_discarded = False  # a level-2 sleep dropped them: only load_weights brings them back
         # What every sync must send: each weight of the Hugging Face model, a tied head under its own name too
         # (aliases: the first name of a tied tensor -> its other names).
-        self.expected, self.aliases = [n for n in lm.state_dict() if not lora or adapters.is_adapter(n)], {}
-        self.adapted = lm if lora else None  # on the meta device: its peft config is what load_adapters writes
+        self.expected, self.aliases = [n for n in lm.state_dict() if not lora_settings or lora.is_adapter(n)], {}
+        self.adapted = lm if lora_settings else None  # on the meta device: its peft config is what load_adapters writes
         self.adapter_root, self.lora_path, self.adapter_number = None, None, 0  # load_adapters' folders
         for name, first in tied_names(lm).items():
             self.aliases.setdefault(first, []).append(name)
@@ -226,7 +227,7 @@ class VLLMSampler:
         """Stream (HF name, full tensor) pairs into the engine (vLLM's in-place reload), a tied tensor under
         each of its names, check that every weight was sent, then drop prefix-cache entries. With LoRA, the
         adapters alone (load_adapters)."""
-        if self.adapters:
+        if self.adapters_only:
             return self.load_adapters(named_tensors)
         if not self.weights_awake:  # writing into sleeping weights would write into unmapped memory
             self._wake_up("weights")
@@ -255,13 +256,13 @@ class VLLMSampler:
         state, sent = {}, []
         for name, tensor in named_tensors:  # peft's saved keys, no adapter name (as lora.adapter_state keys them)
             sent.append(name)
-            state["base_model.model." + name.replace(f".{adapters.ADAPTER}.", ".")] = tensor.detach()
+            state["base_model.model." + name.replace(f".{lora.ADAPTER}.", ".")] = tensor.detach()
         check_sync(self.expected, sent)
         if self.adapter_root is None:
             self.adapter_root = adapter_root(sum(t.numel() * t.element_size() for t in state.values()))
             weakref.finalize(self, shutil.rmtree, self.adapter_root, True)  # a crash or exit without close() too
         folder = tempfile.mkdtemp(dir=self.adapter_root)
-        adapters.save_adapter(folder, state, self.adapted)  # what vLLM reads: lora/peft_helper.py:156-169
+        lora.save_adapter(folder, state, self.adapted)  # what vLLM reads: lora/peft_helper.py:156-169
         previous, number = self.lora_path, self.adapter_number + 1
         self.lora_request, self.lora_path, self.adapter_number = LoRARequest(f"policy-{number}", number, folder), \
             folder, number
@@ -279,9 +280,9 @@ class VLLMSampler:
         generate(), which refuses otherwise. With LoRA no sync rewrites the base weights: level 1 keeps them
         in host memory."""
         if self.can_sleep and (self.weights_awake or self.kv_awake):
-            self.llm.sleep(level=1 if self.adapters else 2)
+            self.llm.sleep(level=1 if self.adapters_only else 2)
             self.weights_awake = self.kv_awake = False
-            self.weights_discarded = not self.adapters
+            self.weights_discarded = not self.adapters_only
 
     def wake(self):
         if not self.weights_awake:
@@ -342,13 +343,15 @@ def resolve_kind(kind):
     return kind
 
 
-def make_sampler(kind, model_path, device, tokenizer, stop_ids, dtype, seed=0, lora=None, **vllm_options):
-    """The rollout backend: "hf", "vllm", or "auto" (vLLM when importable with CUDA, else HF). With `lora`
-    (lora.Settings) the HF sampler carries the same adapters as the trainer, in the compute dtype."""
+def make_sampler(kind, model_path, device, tokenizer, stop_ids, dtype, seed=0, lora_settings=None, **vllm_options):
+    """The rollout backend: "hf", "vllm", or "auto" (vLLM when importable with CUDA, else HF). With `lora_settings`
+    (lora.Settings) the sampler applies the same adapters as the trainer (the HF one in the compute dtype), and a
+    weight sync sends them alone (sampler.adapters_only)."""
     if resolve_kind(kind) == "vllm":
-        return VLLMSampler(model_path, tokenizer, stop_ids, seed=seed, dtype=dtype, lora=lora, **vllm_options)
+        return VLLMSampler(model_path, tokenizer, stop_ids, seed=seed, dtype=dtype, lora_settings=lora_settings,
+                           **vllm_options)
     lm = models.load_model(model_path, dtype)
-    if lora:
-        adapters.attach(lm, lora, None)
+    if lora_settings:
+        lora.attach(lm, lora_settings, None)
         lm.to(dtype)  # peft's adapters are made fp32; the trainer computes them in the compute dtype
     return HFSampler(lm, stop_ids, tokenizer.pad_token_id, device, tokenizer)

@@ -20,12 +20,12 @@ from minigdpo.microbatch import micro_batches  # noqa: E402
 from minigdpo.update import fill_logprobs, optimizer, scheduler, step_metrics, update  # noqa: E402
 
 
-def main(out, agg, sharding, adapters=None):
+def main(out, agg, sharding, lora_settings=None):
     path = models.resolve_model("tiny-random")  # before the group: transformers saves on rank 0 only with one
     device = dist.init(sharding)
     torch.manual_seed(0)
-    model = policy.build(path, device, torch.float32, lora=adapters)
-    ref = policy.build(path, device, torch.float32, frozen=True) if adapters is None else None
+    model = policy.build(path, device, torch.float32, lora_settings=lora_settings)
+    ref = policy.build(path, device, torch.float32, frozen=True) if lora_settings is None else None
     opt = optimizer(model, 1e-3, 0.0)
     sched = scheduler(opt, 10, 0.0, "constant")
     g = torch.Generator().manual_seed(123)
@@ -58,7 +58,7 @@ def main(out, agg, sharding, adapters=None):
 
 
 if __name__ == "__main__":
-    adapters = lora.Settings(4, 8.0, 0.0, ("q_proj", "v_proj", "down_proj")) if sys.argv[4:] == ["lora"] else None
+    settings = lora.Settings(4, 8.0, 0.0, ("q_proj", "v_proj", "down_proj")) if sys.argv[4:] == ["lora"] else None
     main(sys.argv[1], sys.argv[2] if len(sys.argv) > 2 else "token_mean", sys.argv[3] if len(sys.argv) > 3 else "auto",
-         adapters)
+         settings)
     dist.cleanup()  # once main's sharded models are gone: they hold the group

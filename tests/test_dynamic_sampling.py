@@ -15,7 +15,7 @@ from safetensors.torch import load_file
 
 from conftest import read_jsonl, run
 from minigdpo.advantages import Condition, apply_conditions
-from minigdpo.estimators import ESTIMATORS, informative_groups
+from minigdpo.estimators import REGISTRY, informative_groups
 from minigdpo.estimators import informative_groups_naive
 
 
@@ -39,12 +39,12 @@ def test_a_constant_sum_with_varying_rewards_is_informative_for_gdpo_only():
 def test_rewards_that_cancel_are_uninformative_for_every_estimator():
     """(1,0) against (0,1): every reward varies, yet no estimator tells the two samples apart."""
     r = groups([[[1, 0], [0, 1]]])
-    assert not any(bool(informative_groups(r, None, e)) for e in ESTIMATORS)
+    assert not any(bool(informative_groups(r, None, e)) for e in REGISTRY)
     weighted = informative_groups(r, torch.tensor([1.0, 2.0], dtype=torch.float64), "gdpo")
     assert bool(weighted)  # unequal weights (Eq. 7) break the tie
 
 
-@pytest.mark.parametrize("estimator", sorted(ESTIMATORS))
+@pytest.mark.parametrize("estimator", sorted(REGISTRY))
 @pytest.mark.parametrize("G,R", [(2, 2), (3, 2), (4, 3), (5, 1)])
 def test_informative_groups_equals_the_naive_loop(estimator, G, R):
     if estimator == "gdpo_nemo" and R == 1:  # NeMo-RL's GDPO refuses a single reward, and so does its twin here
@@ -147,10 +147,10 @@ def test_the_readme_count_of_groups_a_summed_filter_drops():
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples"))
     from collapse import informative_table
 
-    from minigdpo.estimators import ESTIMATORS
+    from minigdpo.estimators import REGISTRY
 
     header, row = informative_table(((4, 3),)).splitlines()
-    columns = dict(zip(["G", "R", "groups", "sum varies", *ESTIMATORS, "gdpo only"], map(int, row.split())))
+    columns = dict(zip(["G", "R", "groups", "sum varies", *REGISTRY, "gdpo only"], map(int, row.split())))
     assert header.split()[-1] == "only" and len(row.split()) == len(columns)  # every estimator has its column
     assert {k: columns[k] for k in ("groups", "sum varies", "grpo", "gdpo", "gdpo only")} == \
         {"groups": 330, "sum varies": 298, "grpo": 298, "gdpo": 304, "gdpo only": 6}  # the counts the docs cite

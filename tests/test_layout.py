@@ -133,6 +133,24 @@ def test_the_readme_stays_short_and_opens_with_its_two_commands():
     assert first[1].endswith("python train.py --preset cpu-demo") and first[4].endswith("python -m pytest -q tests")
 
 
+def test_the_minimum_reading_counts_its_lines():
+    """README's minimum reading: each row's line count is what its files and functions hold, and the total too."""
+    readme = open(os.path.join(ROOT, "README.md")).read()
+    section = readme.split("The minimum reading for the algorithm, ", 1)[1].split("[docs/glossary.md]", 1)[0]
+    rows = [line for line in section.splitlines() if line.startswith("| ") and line[2:4] != "re"]
+    total = 0
+    for row in rows:
+        read, lines = row.split(" | ")[:2]
+        spans = [sum(1 for _ in open(os.path.join(ROOT, f))) for f in re.findall(r"\]\(([^)]+)\), whole", read)]
+        for path, name in re.findall(r"`(\w+\.py): (\w+)\(\)`", read):
+            tree = ast.parse(open(os.path.join(ROOT, "minigdpo", path)).read())
+            node = next(n for n in tree.body if getattr(n, "name", None) == name)
+            spans.append(node.end_lineno - node.lineno + 1)
+        assert spans and sum(spans) == int(lines), (row, spans)
+        total += sum(spans)
+    assert len(rows) == 6 and section.startswith(f"{total} lines"), (total, section[:20])
+
+
 def test_every_flag_the_docs_name_exists():
     """A flag named in README.md or docs/ is one of train.py's, eval.py's, a script's, or torchrun's and pip's."""
     from minigdpo import config

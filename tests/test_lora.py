@@ -46,7 +46,7 @@ def full(model):
 
 def trained(path, device, steps=2, lr=1e-2):
     """A LoRA policy after `steps` optimizer steps that push the sampled tokens' log-probs up."""
-    model = policy.build(path, device, torch.float32, lora=SETTINGS)
+    model = policy.build(path, device, torch.float32, lora_settings=SETTINGS)
     opt = optimizer(model, lr, 0.0)
     for seed in range(steps):
         (mb,) = batches(seed)
@@ -58,7 +58,7 @@ def trained(path, device, steps=2, lr=1e-2):
 
 def test_only_the_adapters_train_and_the_optimizer_holds_only_them(tiny, process_group):
     path, _ = tiny
-    model = policy.build(path, process_group, torch.float32, lora=SETTINGS)
+    model = policy.build(path, process_group, torch.float32, lora_settings=SETTINGS)
     before = full(model)
     # The first forward is the reference pass, as on step 1 of train.py: the adapters must still train after it.
     with torch.no_grad(), lora.adapters_off(model):
@@ -89,7 +89,7 @@ def test_a_reference_pass_first_keeps_fp32_gradient_accumulation(tiny, process_g
     add up in fp32 over micro-batches: bf16 compute, two micro-batches reduced once, give exactly the sum
     of the two micro-batches' own gradients (in bf16 the sum would be rounded)."""
     path, _ = tiny
-    model = policy.build(path, process_group, torch.bfloat16, lora=SETTINGS)  # bf16 compute, fp32 adapters
+    model = policy.build(path, process_group, torch.bfloat16, lora_settings=SETTINGS)  # bf16 compute, fp32 adapters
     with torch.no_grad(), lora.adapters_off(model):  # step 1's first forward
         model_logprobs(model, batches(0)[0])
     mbs = [batches(1)[0], batches(2)[0]]
@@ -162,9 +162,9 @@ def test_the_sampler_applies_the_adapters_as_the_trainer_does_and_a_sync_sends_o
     compute dtype, and the sampler's log-probs of what it samples are the trainer's. One left out is refused."""
     path, tok = tiny
     model, _ = trained(path, process_group)
-    sampler = make_sampler("hf", path, torch.device("cpu"), tok, [256], torch.float32, lora=SETTINGS)
-    sent = list(model.whole_weights(torch.float32, adapters=sampler.adapters))
-    assert sampler.adapters and {n for n, _ in sent} == {n[3:] for n in full(model) if ".lora_" in n}  # less "lm."
+    sampler = make_sampler("hf", path, torch.device("cpu"), tok, [256], torch.float32, lora_settings=SETTINGS)
+    sent = list(model.whole_weights(torch.float32, adapters_only=sampler.adapters_only))
+    assert sampler.adapters_only and {n for n, _ in sent} == {n[3:] for n in full(model) if ".lora_" in n}  # less "lm."
     with pytest.raises(WeightSyncError, match="stale"):
         sampler.load_weights(sent[1:])
     sampler.load_weights(sent)
@@ -176,15 +176,15 @@ def test_in_bf16_an_update_smaller_than_a_bf16_step_still_reaches_the_sampler(ti
     the merge keeps little of the change s B A the trainer computes with; the sampler's own adapters keep all of it,
     bit for bit the trainer's bf16 adapters."""
     path, tok = tiny
-    model = policy.build(path, process_group, torch.bfloat16, lora=SETTINGS)
+    model = policy.build(path, process_group, torch.bfloat16, lora_settings=SETTINGS)
     opt = optimizer(model, 1e-4, 0.0)
     (mb,) = batches(0)
     (-model_logprobs(model, mb).sum()).backward()
     opt.step()
     merged, master = dict(model.whole_weights(torch.bfloat16)), full(model)
     base = models.load_model(path, torch.bfloat16).state_dict()
-    sampler = make_sampler("hf", path, torch.device("cpu"), tok, [256], torch.bfloat16, lora=SETTINGS)
-    sampler.load_weights(model.whole_weights(torch.bfloat16, adapters=True))
+    sampler = make_sampler("hf", path, torch.device("cpu"), tok, [256], torch.bfloat16, lora_settings=SETTINGS)
+    sampler.load_weights(model.whole_weights(torch.bfloat16, adapters_only=True))
     held = sampler.model.state_dict()
     scale = SETTINGS.alpha / SETTINGS.rank
     for layer in ("model.layers.0.self_attn.q_proj", "model.layers.1.mlp.down_proj"):
@@ -224,14 +224,14 @@ def test_vllm_serves_the_adapters_a_new_one_per_sync_and_sleeps_keeping_its_base
 
     path, tok = tiny
     model, _ = trained(path, process_group)
-    sampler = VLLMSampler(path, tok, [256], seed=3, max_model_len=128, lora=SETTINGS)
+    sampler = VLLMSampler(path, tok, [256], seed=3, max_model_len=128, lora_settings=SETTINGS)
     engine = vllm.LLM.instances[-1]
     assert engine.kwargs["enable_lora"] and engine.kwargs["max_lora_rank"] == 8  # the smallest of vLLM's ranks >= 4
     folders = []
     for step in range(2):
         sampler.generate([[10, 11, 12]], 2, SamplingParams(max_new_tokens=4, seed=step))
         sampler.sleep()
-        sampler.load_weights(model.whole_weights(adapters=sampler.adapters))
+        sampler.load_weights(model.whole_weights(adapters_only=sampler.adapters_only))
         folders.append(sampler.lora_request.lora_path)
         saved = load_file(os.path.join(folders[-1], "adapter_model.safetensors"))
         assert set(saved) == {"base_model.model." + n[3:].replace(".default.", ".") for n in full(model) if ".lora_" in n}
@@ -269,9 +269,9 @@ def test_vllm_adapter_folders_go_on_every_exit_path_and_not_into_a_small_shm(tin
     roots = []
     for ending in ("adapters_off", "close", "dropped"):
         vllm.LLM.instances.clear()  # one engine per process: each of these stands for a run of its own
-        sampler = vllm_sampler.VLLMSampler(path, tok, [256], seed=3, max_model_len=128, lora=SETTINGS)
-        sampler.load_weights(model.whole_weights(adapters=sampler.adapters))
-        sampler.load_weights(model.whole_weights(adapters=sampler.adapters))
+        sampler = vllm_sampler.VLLMSampler(path, tok, [256], seed=3, max_model_len=128, lora_settings=SETTINGS)
+        sampler.load_weights(model.whole_weights(adapters_only=sampler.adapters_only))
+        sampler.load_weights(model.whole_weights(adapters_only=sampler.adapters_only))
         root = sampler.adapter_root
         assert os.path.dirname(root) == tempfile.gettempdir() and len(os.listdir(root)) == 1  # one folder at a time
         roots.append(root)
@@ -288,8 +288,8 @@ def test_vllm_adapter_folders_go_on_every_exit_path_and_not_into_a_small_shm(tin
         assert not os.path.exists(root), ending
     monkeypatch.setattr(vllm_sampler, "SHM", str(os.path.dirname(small_tmpfs)))  # a roomy one: used
     vllm.LLM.instances.clear()
-    sampler = vllm_sampler.VLLMSampler(path, tok, [256], seed=3, max_model_len=128, lora=SETTINGS)
-    sampler.load_weights(model.whole_weights(adapters=sampler.adapters))
+    sampler = vllm_sampler.VLLMSampler(path, tok, [256], seed=3, max_model_len=128, lora_settings=SETTINGS)
+    sampler.load_weights(model.whole_weights(adapters_only=sampler.adapters_only))
     assert os.path.dirname(sampler.adapter_root) == os.path.dirname(small_tmpfs)
     sampler.close()
 

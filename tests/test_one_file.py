@@ -23,7 +23,7 @@ import gdpo_in_one_file as one_file  # noqa: E402
 from minigdpo import config, microbatch, models, policy  # noqa: E402
 from minigdpo.advantages import Condition, apply_conditions  # noqa: E402
 from minigdpo.config import Config  # noqa: E402
-from minigdpo.estimators import ESTIMATORS  # noqa: E402
+from minigdpo.estimators import REGISTRY  # noqa: E402
 from minigdpo.sampler import Completion, left_pad  # noqa: E402
 from minigdpo.update import fill_logprobs, optimizer, scheduler, step_metrics, update  # noqa: E402
 
@@ -105,7 +105,7 @@ def train_py_steps(path, steps, estimator, condition, agg, size, pack, device):
     grads, out = recording(opt, model.named_parameters()), []
     for prompts, comps, rewards in steps:
         shaped = apply_conditions(rewards, NAMES, [Condition.parse(c, NAMES) for c in cfg.condition])  # Eq. 8
-        adv = ESTIMATORS[estimator](shaped, torch.ones(len(NAMES), dtype=torch.float64))            # (B, G)
+        adv = REGISTRY[estimator].advantages(shaped, torch.ones(len(NAMES), dtype=torch.float64))            # (B, G)
         groups = [(p, [Completion(c, [0.0] * len(c)) for c in cs], a) for p, cs, a in zip(prompts, comps, adv.float())]
         batches = microbatch.cut(groups, cfg, PAD, device, "packed" if pack else "padded")
         assert len(batches) == -(-B * G // size)

@@ -18,8 +18,7 @@ import pytest
 import torch
 
 from minigdpo.advantages import VERL_STD_EPS, Condition, apply_conditions, gdpo_group
-from minigdpo.estimators import ESTIMATORS, informative_groups
-from minigdpo.estimators import REGISTRY, informative_groups_naive
+from minigdpo.estimators import REGISTRY, informative_groups, informative_groups_naive
 from minigdpo.successors import gd2po, gd2po_group, saw_gdpo, saw_grpo, saw_weights
 
 # Two prompts, G = 4, rewards (correctness, format).
@@ -54,7 +53,7 @@ def test_gd2po_equals_the_official_code(lengths, mode, tau):
 
 @pytest.mark.parametrize("lengths,name", list(OFFICIAL_SAW))
 def test_saw_equals_the_official_code(lengths, name):
-    got = ESTIMATORS[name](REWARDS, lengths=torch.tensor(LENGTHS[lengths]), shift=[3.0, 0.0])
+    got = REGISTRY[name].advantages(REWARDS, lengths=torch.tensor(LENGTHS[lengths]), shift=[3.0, 0.0])
     want = torch.tensor(OFFICIAL_SAW[lengths, name], dtype=torch.float64)
     torch.testing.assert_close(got, want, atol=2e-6, rtol=0)
 
@@ -92,7 +91,7 @@ def test_gd2po_modes_part_on_a_conflict_that_does_not_cancel():
 
 def gdpo_like(r):
     """When nothing is dropped GD2PO is verl's GDPO with q = 1, whitened with masked_mean over N + 1e-8."""
-    return ESTIMATORS["gdpo_verl"](r)
+    return REGISTRY["gdpo_verl"].advantages(r)
 
 
 def test_query_reweighting_scales_a_group_by_its_kept_share():
@@ -129,8 +128,8 @@ def test_saw_is_gdpo_verl_and_grpo_with_its_weights():
     L = torch.randint(1, 9, (5, 4), generator=g)
     u = torch.tensor([1.0, 0.5, 2.0], dtype=torch.float64)
     w = saw_weights(r, [1.0, 0.0, 2.0]) * u
-    torch.testing.assert_close(saw_gdpo(r, u, lengths=L, shift=[1.0, 0.0, 2.0]), ESTIMATORS["gdpo_verl"](r, w, lengths=L))
-    torch.testing.assert_close(saw_grpo(r, u, shift=[1.0, 0.0, 2.0]), ESTIMATORS["grpo"](r, w, eps=1e-6))
+    torch.testing.assert_close(saw_gdpo(r, u, lengths=L, shift=[1.0, 0.0, 2.0]), REGISTRY["gdpo_verl"].advantages(r, w, lengths=L))
+    torch.testing.assert_close(saw_grpo(r, u, shift=[1.0, 0.0, 2.0]), REGISTRY["grpo"].advantages(r, w, eps=1e-6))
 
 
 OPTIONS = [("gd2po", dict(mode="hard")), ("gd2po", dict(mode="snr", tau=0.2)), ("gd2po", dict(mode="snr", tau=0.8)),
@@ -146,7 +145,7 @@ def test_vectorised_equals_naive_with_options_nans_weights_and_lengths(name, opt
     r[1, 2, :] = math.nan                                   # a sample with no applicable reward
     lengths = torch.randint(0, 7, (6, 5), generator=g)      # some completions of 0 tokens
     w = [1.0, 0.5, 2.0]
-    got = ESTIMATORS[name](r, torch.tensor(w, dtype=torch.float64), lengths=lengths, **options)
+    got = REGISTRY[name].advantages(r, torch.tensor(w, dtype=torch.float64), lengths=lengths, **options)
     want = REGISTRY[name].naive(r.tolist(), w, lengths=lengths.tolist(), **options)
     torch.testing.assert_close(got, torch.tensor(want, dtype=torch.float64), atol=1e-9, rtol=0)
     assert got[1, 2] == 0 and torch.isfinite(got).all()
@@ -161,7 +160,7 @@ def test_conditions_apply_before_them():
     shaped = apply_conditions(r, ["correct", "length_ok"], [Condition.parse("length_ok:correct>=1")])
     assert shaped[0, :, 1].tolist() == [1, 0, 0, 0]
     for name in ("gd2po", "saw_gdpo", "saw_grpo"):
-        a = ESTIMATORS[name](shaped)
+        a = REGISTRY[name].advantages(shaped)
         assert a[0, 0] > a[0, 2] > a[0, 3] and a[0, 1] == pytest.approx(a[0, 3].item(), abs=1e-6), name
 
 
