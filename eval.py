@@ -40,7 +40,7 @@ import time
 import torch
 from transformers import TrainerState
 
-from minigdpo import checkpoint, data, dist, lora, models
+from minigdpo import checkpoint, data, dist, lora, models, tools
 from minigdpo.config import Config
 from minigdpo.sampler import SamplingParams
 from minigdpo.vllm_sampler import SamplerUnavailable, make_sampler, resolve_kind
@@ -52,7 +52,7 @@ from rewards import RewardScorer, encode_prompt, load_task
 # a checkpoint gives them: train.py's own defaults, so that a model trained with them is evaluated alike.
 RUN_SETTINGS = {name: getattr(Config, name) for name in
                 ("task", "arith_difficulty", "max_prompt_len", "max_new_tokens", "length_limit", "length_unit",
-                 "answer_format")}
+                 "answer_format", "environment", "max_tool_calls")} | {"tools": []}
 
 
 def checkpoint_run(model):
@@ -137,7 +137,9 @@ def evaluate(sampler, tokenizer, label, args, examples, names, out_file):
 
     Under a process group every rank samples its own slice of the prompts (rank 0 the first), and rank 0
     gathers them, summarises and writes. Returns (summary, prompt_stats) on rank 0, None elsewhere."""
-    scorer = RewardScorer(names)
+    box = args.toolbox  # an agent's tools: the same loop as in training (minigdpo/tools.py)
+    agent = box and tools.Agent(box, tokenizer, args.max_tool_calls, label, args.max_prompt_len + args.max_new_tokens)
+    scorer = RewardScorer(names, own={box.reward_name: box.reward()} if box and box.reward_name else {})
     if examples:
         scorer.check_conversation(examples[0]["messages"])
     run = args.runs.get(label) or {}  # a checkpoint's optimizer steps, as its run's TRL-style rewards saw them
@@ -147,25 +149,32 @@ def evaluate(sampler, tokenizer, label, args, examples, names, out_file):
     per_rank = -(-len(examples) // dist.world_size())
     first = dist.rank() * per_rank
     mine = examples[first:first + per_rank]
-    rows, all_rewards, lengths, truncated, failures = [], [], [], [], {}
+    rows, all_rewards, lengths, truncated, failures, counts = [], [], [], [], {}, {}
     t0 = time.perf_counter()
     for s in range(0, len(mine), args.batch_size):
         batch = mine[s:s + args.batch_size]
-        prompts = [encode_prompt(tokenizer, ex["messages"], args.max_prompt_len) for ex in batch]
-        completions = [c for group in sampler.generate(prompts, args.n, params) for c in group]
+        if agent:
+            _, groups, more = agent.rollouts(batch, args.n, params, sampler, args.max_prompt_len, {})
+            counts = {k: counts.get(k, 0) + more.get(k, 0) for k in counts | more}
+        else:
+            groups = sampler.generate([encode_prompt(tokenizer, ex["messages"], args.max_prompt_len) for ex in batch],
+                                      args.n, params)
+        completions = [c for group in groups for c in group]
         rewards, stats = scorer([c.text for c in completions], [ex for ex in batch for _ in range(args.n)],
-                                completion_ids=[c.token_ids for c in completions])
+                                [c.written for c in completions], [c.token_ids[c.prompt_tokens:] for c in completions],
+                                *(([c.messages for c in completions], agent.environments) if agent else ()))
         failures = RewardScorer.merge([failures, stats])
         for i, c in enumerate(completions):
             rows.append({"prompt_index": first + s + i // args.n, "sample": i % args.n, "completion": c.text,
-                         "tokens": len(c.token_ids), "finish_reason": c.finish_reason,
-                         "rewards": {n: (None if math.isnan(v) else v) for n, v in zip(names, rewards[i].tolist())}})
+                         "tokens": c.written, "finish_reason": c.finish_reason,
+                         "rewards": {n: (None if math.isnan(v) else v) for n, v in zip(names, rewards[i].tolist())},
+                         **({"conversation": c.messages} if c.messages is not None else {})})
         all_rewards.append(rewards.view(len(batch), args.n, len(names)))                   # (b, n, R)
-        lengths.append(torch.tensor([len(c.token_ids) for c in completions]).view(len(batch), args.n))
+        lengths.append(torch.tensor([c.written for c in completions]).view(len(batch), args.n))
         truncated.append(torch.tensor([c.finish_reason == "length" for c in completions]).view(len(batch), args.n))
         dist.print0(f"{label}: evaluated {min(s + args.batch_size, len(mine)) * dist.world_size()}/{len(examples)} "
                     "prompts", file=sys.stderr)
-    parts = dist.all_gather_object((rows, all_rewards, lengths, truncated, failures))
+    parts = dist.all_gather_object((rows, all_rewards, lengths, truncated, failures, counts))
     RewardScorer.check(RewardScorer.merge([part[4] for part in parts]))  # a broken reward stops every rank alike
     if not dist.is_main():
         return None
@@ -173,7 +182,8 @@ def evaluate(sampler, tokenizer, label, args, examples, names, out_file):
         f.writelines(json.dumps(row) + "\n" for part in parts for row in part[0])
     cat = [torch.cat([t for part in parts for t in part[k]]) for k in (1, 2, 3)]
     figures = (args.task, names, *cat, args.n)
-    summary = summarise(*figures) | {"seconds": time.perf_counter() - t0, "model": label}
+    counts = {k: sum(part[5].get(k, 0) for part in parts) for part in parts for k in part[5]}
+    summary = summarise(*figures) | tools.metrics(counts) | {"seconds": time.perf_counter() - t0, "model": label}
     return summary, prompt_stats(*figures)
 
 
@@ -191,7 +201,9 @@ def parse_args(argv=None):
     p.add_argument("--n", type=int, default=1, help="samples per prompt (pass@k for k up to n)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")
     p.add_argument("--top-p", type=float, default=1.0)
-    for name in ("max_new_tokens", "max_prompt_len", "length_limit", "arith_difficulty"):
+    p.add_argument("--tools", type=lambda s: [x for x in s.split(",") if x], help=f"default: {run} none")
+    p.add_argument("--environment", help=f"default: {run} none")
+    for name in ("max_new_tokens", "max_prompt_len", "length_limit", "arith_difficulty", "max_tool_calls"):
         p.add_argument("--" + name.replace("_", "-"), type=int, help=f"default: {run} {RUN_SETTINGS[name]}")
     p.add_argument("--length-unit", choices=["tokens", "words"], help=f"default: {run} {RUN_SETTINGS['length_unit']}")
     p.add_argument("--answer-format", choices=["answer", "boxed"],
@@ -230,7 +242,9 @@ def main(argv=None, sampler=None, tokenizer=None, source=None):
     task = load_task(args.task, args.data, args.split, False, {"arith_difficulty": args.arith_difficulty},
                      reward_options)
     examples = task.examples[:args.limit] if args.limit else task.examples
-    names = [r for r in args.rewards.split(",") if r] or task.rewards
+    args.toolbox = tools.Toolbox(args.tools, args.environment) if args.tools or args.environment else None
+    names = ([r for r in args.rewards.split(",") if r] or task.rewards) + \
+        ([args.toolbox.reward_name] if args.toolbox and args.toolbox.reward_name else [])
     out_dir = args.output or os.path.join("runs", "eval", args.task)
     if dist.is_main():
         os.makedirs(out_dir, exist_ok=True)

@@ -43,7 +43,8 @@ from collections import deque
 import torch
 from tqdm import tqdm
 
-from minigdpo import checkpoint, config, dist, dynamic_sampling, logprobs, lora, microbatch, models, policy, rollout
+from minigdpo import checkpoint, config, dist, dynamic_sampling, logprobs, lora, microbatch, models, policy, rollout, \
+    tools
 from minigdpo.advantages import Condition, apply_conditions, distinct_per_group, per_reward_stats
 from minigdpo.estimators import REGISTRY
 from minigdpo.data import DataError
@@ -60,7 +61,8 @@ def run_training(argv=None):
                       "answer_format": cfg.answer_format}
     task = load_task(cfg.task, cfg.data, "train", cfg.skip_bad_rows, {"arith_difficulty": cfg.arith_difficulty},
                      reward_options)
-    names, conditions, weights, scorer = rewards_setup(cfg, task)
+    toolbox = tools.Toolbox(cfg.tools, cfg.environment) if cfg.tools or cfg.environment else None  # an agent's
+    names, conditions, weights, scorer = rewards_setup(cfg, task, toolbox)
     check_sampler(cfg, resolve_kind(cfg.sampler))  # a missing vLLM or GPU, or settings vLLM cannot honour
     path = models.resolve_model(cfg.model)  # built-in models are built before the process group exists
     models.check_context(path, cfg.max_prompt_len + cfg.max_new_tokens)  # still before any weights load
@@ -80,12 +82,13 @@ def run_training(argv=None):
     torch.manual_seed(cfg.seed)
 
     # The trained policy, its frozen reference (with LoRA: the policy, adapters off), the sampler's copy.
+    context = cfg.max_prompt_len + cfg.max_new_tokens  # the longest sequence a pass may meet
     tokenizer = models.load_tokenizer(path)
+    agent = toolbox and tools.Agent(toolbox, tokenizer, cfg.max_tool_calls, cfg.model, context)  # the tool loop
     auto = torch.bfloat16 if device.type == "cuda" else torch.float32
     dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}.get(cfg.dtype, auto)
     scorer.place_models(device, dtype, cfg.reward_model_batch_size, cfg.reward_model_placement, policy.build_classifier)
     compiled = cfg.compile == "true" or (cfg.compile == "auto" and device.type == "cuda")
-    context = cfg.max_prompt_len + cfg.max_new_tokens  # the longest sequence a pass may meet
     model = policy.build(path, device, dtype, cfg.grad_checkpointing, lora_settings=lora_settings, compile=compiled,
                          context=context)
     ref = None  # with LoRA the reference is the policy with its adapters off
@@ -134,10 +137,10 @@ def run_training(argv=None):
         scorer.trainer_state = rollout.trainer_state(step, cursor, cfg, sizes, len(task.examples))  # TRL-style rewards
         if cfg.dynamic_sampling:  # rounds of fresh prompts until B groups can be learned from
             batch, cursor = dynamic_sampling.sample(step, cursor, order, task, tokenizer, sampler, scorer, cfg, sizes,
-                                                    names, conditions, weights, seconds)
+                                                    names, conditions, weights, seconds, agent)
         else:  # one round; the sampler sleeps before scoring: an update, and so a weight sync, follows
             examples, seed = rollout.step_prompts(step, cursor, order, task, cfg, sizes)
-            batch = rollout.rollout(examples, seed, tokenizer, sampler, scorer, cfg, seconds, sleep=True)
+            batch = rollout.rollout(examples, seed, tokenizer, sampler, scorer, cfg, seconds, sleep=True, agent=agent)
             cursor += sizes.prompts_per_step
         n_groups = len(batch.rewards)  # every rank's, a multiple of the world size
         if n_groups:  # the trainer gets the accelerator's memory; a sleeping vLLM drops its weights until step 7
@@ -178,7 +181,8 @@ def run_training(argv=None):
                 sampler.load_weights(model.whole_weights(dtype, adapters_only=sampler.adapters_only))
 
         # 8. Log, and checkpoint when due. Rewards and lengths describe every completion sampled this step.
-        m = reward_metrics(batch.sampled_rewards, names, batch.failures) | batch.stats | self_check
+        m = reward_metrics(batch.sampled_rewards, names, batch.failures) | batch.stats | self_check | \
+            tools.metrics(batch.tools)
         self_check = {}  # logged once
         if not cfg.dynamic_sampling:  # what dynamic sampling would have dropped, logged without it too
             m["sampling/uninformative_frac"] = 1 - dynamic_sampling.informative(
@@ -204,6 +208,7 @@ def run_training(argv=None):
         if cfg.samples_every and step % cfg.samples_every == 0 and batch.prompts:
             log.samples(step, [{"prompt": tokenizer.decode(batch.prompts[0], skip_special_tokens=True)[-300:],
                                 "completion": c.text, "advantage": adv[0, i].item(),
+                                **({"conversation": c.messages} if c.messages is not None else {}),
                                 "rewards": dict(zip(names, batch.rewards[first, i].tolist())),
                                 **({"extra": c.extra} if c.extra else {})}
                                for i, c in enumerate(batch.completions[0][:4])])
@@ -261,10 +266,13 @@ def throughput(batches, model, cfg, flops_per_token, attention_flops, seconds):
             / max(flops_per_token * real + attention_flops * pairs, 1)}
 
 
-def rewards_setup(cfg, task):
-    """Reward names, conditions, weights and scorer; any bad name or count is a ConfigError."""
-    names = cfg.rewards or task.rewards
+def rewards_setup(cfg, task, toolbox=None):
+    """Reward names (an environment's get_reward last, named after its class), conditions, weights and scorer; any
+    bad name or count is a ConfigError."""
+    names = (cfg.rewards or task.rewards) + ([toolbox.reward_name] if toolbox and toolbox.reward_name else [])
     try:
+        if toolbox and not isinstance(task.examples[0]["messages"], list):
+            raise ValueError("--tools and --environment need conversational prompts: the chat template writes tools")
         if not names:
             raise ValueError(f"--task {cfg.task} has no rewards of its own: name them with --rewards")
         if len(set(names)) != len(names):
@@ -274,7 +282,8 @@ def rewards_setup(cfg, task):
         for flag, values in (("--reward-weights", cfg.reward_weights), ("--saw-shift", cfg.saw_shift)):
             if values and len(values) != len(names):
                 raise ValueError(f"{flag} has {len(values)} values for {len(names)} rewards {names}")
-        scorer = RewardScorer(names, timeout=cfg.reward_timeout)
+        own = {toolbox.reward_name: toolbox.reward()} if toolbox and toolbox.reward_name else {}
+        scorer = RewardScorer(names, timeout=cfg.reward_timeout, own=own)
         scorer.check_conversation(task.examples[0]["messages"])  # a reward model's template must write the task's
     except ValueError as e:
         raise config.ConfigError(str(e)) from None

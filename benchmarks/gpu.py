@@ -47,7 +47,7 @@ def model_dir(layers, hidden, heads, kv_heads, intermediate, vocab):
         Qwen2ForCausalLM(config).save_pretrained(path)
         tok.save_pretrained(path)
 
-    return models._build_once(f"bench-qwen2-{layers}x{hidden}-v{vocab}", build)
+    return models.build_once(f"bench-qwen2-{layers}x{hidden}-v{vocab}", build)
 
 
 def main(argv=None):

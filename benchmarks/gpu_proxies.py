@@ -57,7 +57,7 @@ def model_dir(layers, hidden, heads, kv_heads, intermediate, vocab):
         Qwen2ForCausalLM(config).to(torch.bfloat16).save_pretrained(path)
         tok.save_pretrained(path)
 
-    return models._build_once(f"proxy-qwen2-{layers}x{hidden}-i{intermediate}-v{vocab}-bf16", build)
+    return models.build_once(f"proxy-qwen2-{layers}x{hidden}-i{intermediate}-v{vocab}-bf16", build)
 
 
 def add_shape_args(parser, layers, hidden, heads, kv_heads, intermediate, vocab=151936):

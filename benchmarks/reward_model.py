@@ -33,7 +33,7 @@ def build(path):
 
 
 def main():
-    path = models._build_once("SmolLM2-135M-reward-model", build)
+    path = models.build_once("SmolLM2-135M-reward-model", build)
     task = load_task("arith", data_options={"arith_difficulty": 1})
     examples = [task.examples[i // 8] for i in range(32)]                  # 4 prompts x G = 8, as a demo step
     completions = [f"<think>{i} + 3 = {i + 3}</think>\n<answer>{i + 3}</answer>" for i in range(32)]

@@ -49,7 +49,7 @@ def model_dir(kind):
         LlamaForCausalLM(cfg).save_pretrained(path)
         tok.save_pretrained(path)
 
-    return models._build_once("bench-tiny-llama-smollm2-tokenizer", build)
+    return models.build_once("bench-tiny-llama-smollm2-tokenizer", build)
 
 
 def prompts_file(n, out):

@@ -13,6 +13,7 @@ import math
 from dataclasses import MISSING, asdict, dataclass, field, fields
 
 from minigdpo.estimators import REGISTRY
+from minigdpo.presets import PRESETS
 from minigdpo.update import AGGREGATIONS, TRL_NAMES
 from rewards import TASKS
 
@@ -44,6 +45,16 @@ class Config:
     """One weight per reward, comma-separated (paper Eq. 7). Empty: all 1."""
     condition: list = field(default_factory=list)
     """Conditioned rewards (paper Eq. 8), e.g. length_ok:correct>=1. Repeat the flag or separate with commas."""
+
+    # Agents: tools over several turns (minigdpo/tools.py), as TRL's tools= and environment_factory=
+    tools: list = field(default_factory=list)
+    """Tools the model may call, module:function (typed, with a Google-style docstring; async ones too)."""
+    environment: str = ""
+    """An environment class, module:Class: one per concurrent rollout, reset(**row) each; its public methods are
+    tools, its get_reward() one more reward named after it. Empty: none."""
+    max_tool_calls: int = 0
+    """Rounds of tool calls per rollout at most (TRL's max_tool_calling_iterations); 0: only --max-new-tokens,
+    which counts every token after the prompt, the tools' included, bounds them."""
     estimator: str = "gdpo"
     """Advantage estimator: gdpo (the paper's TRL code), grpo, gdpo_verl and gdpo_nemo (verl's and NeMo-RL's GDPO),
     GDPO's successors, ... (minigdpo/estimators.py's REGISTRY; docs/estimators.md compares them)."""
@@ -193,27 +204,6 @@ class Config:
     0: by dtype, 1e-3 in fp32 (rounding gives about 1e-6) and 0.05 in bf16 (0.013 seen with the HF sampler, H100)."""
 
 
-PRESETS = {
-    # The paper's released GSM8K recipe: 512 completions (32 prompts x G=16) a step, on 8 GPUs x 16 x 4 accumulations.
-    "paper-gsm8k": dict(),
-    # One 80 GB A100: G=8, 256 completions per step, micro-batches that fit with vLLM colocated.
-    "a100": dict(group_size=8, batch_size=256, micro_batch_tokens=16384, grad_checkpointing=True,
-                 vllm_gpu_memory_utilization=0.35),
-    # Qwen2.5-7B on one 80 GB A100: frozen bf16 base, rank-32 adapters, no reference copy; lr 5e-5 untuned.
-    "a100-lora": dict(model="Qwen/Qwen2.5-7B-Instruct", group_size=8, batch_size=256, micro_batch_tokens=16384,
-                      grad_checkpointing=True, lora_rank=32, lora_alpha=64.0, lr=5e-5,
-                      vllm_gpu_memory_utilization=0.55),
-    # Offline, 2 CPU cores, about 7 minutes: SmolLM2-135M learns arithmetic, then meets its base model on 64 problems.
-    "cpu-demo": dict(model="HuggingFaceTB/SmolLM2-135M-Instruct", task="arith", group_size=8, batch_size=32,
-                     lr=2e-5, warmup_ratio=0.0, lr_schedule="constant", max_prompt_len=256, max_new_tokens=48,
-                     max_steps=12, temperature=0.7, arith_difficulty=1, save_every=0, samples_every=4,
-                     output_dir="runs/cpu-demo", sampler="hf", final_eval=64),
-    # A tiny random model for tests and smoke runs.
-    "smoke": dict(model="tiny-random", task="arith", group_size=4, batch_size=8, micro_batch_size=4, lr=1e-3,
-                  max_prompt_len=64, max_new_tokens=8, max_steps=2, save_every=1, samples_every=1,
-                  output_dir="runs/smoke", sampler="hf", warmup_ratio=0.0, reward_timeout=5.0),
-}
-
 CHOICES = {"estimator": tuple(REGISTRY), "task": tuple(TASKS), "loss_agg": AGGREGATIONS + tuple(TRL_NAMES),
            "preset": tuple(PRESETS), "lr_schedule": ("cosine", "constant"), "sampler": ("auto", "hf", "vllm"),
            "dtype": ("auto", "bf16", "fp32"), "length_unit": ("tokens", "words"), "answer_format": ("answer", "boxed"),
@@ -319,8 +309,9 @@ def validate(cfg):
                 "max_new_tokens", "length_limit", "logprob_chunk", "keep_checkpoints", "reward_model_batch_size"]
     for name in positive:
         _check(getattr(cfg, name) >= 1, f"--{flag(name)} must be >= 1, got {getattr(cfg, name)}")
-    for name in ["max_steps", "micro_batch_tokens", "save_every", "samples_every", "weight_decay", "max_grad_norm",
-                 "beta", "importance_sampling_cap", "final_eval", "logp_gap_warn", "vllm_kv_cache_gib"]:
+    for name in ["max_steps", "micro_batch_tokens", "max_tool_calls", "save_every", "samples_every", "weight_decay",
+                 "max_grad_norm", "beta", "importance_sampling_cap", "final_eval", "logp_gap_warn",
+                 "vllm_kv_cache_gib"]:
         value = getattr(cfg, name)
         _check(math.isfinite(value) and value >= 0, f"--{flag(name)} must be >= 0, got {value}")
     _check(cfg.group_size >= 2, f"--group-size must be at least 2 (a group compares two samples), got {cfg.group_size}")

@@ -17,7 +17,8 @@ import torch
 # task -> (reward that means "solved", its threshold, reward that means "well formatted"); 3: an exact match
 TASK_METRICS = {"gsm8k": ("correct", 1.0, "format"), "arith": ("correct", 1.0, "format"),
                 "toolcall": ("tool_correct", 3.0, "tool_format"), "math_length": ("correct", 1.0, None),
-                "code": ("pass", 1.0, None), "prompts": (None, 0.0, None)}  # prompts: your rewards, each's mean
+                "code": ("pass", 1.0, None), "prompts": (None, 0.0, None),  # prompts: your rewards, each's mean
+                "calculator": ("solved", 1.0, "answer_tag")}
 RESAMPLES = 10_000  # bootstrap resamples behind each --baseline interval
 
 

@@ -65,7 +65,7 @@ class MicroBatch:
     prompt_mask: torch.Tensor     # (b, P)
     repeats: torch.Tensor         # (b,) completions per prompt, summing to N
     completion_ids: torch.Tensor  # (N, T) right-padded
-    mask: torch.Tensor            # (N, T) 1 on the tokens the loss counts
+    mask: torch.Tensor            # (N, T) 1 on the tokens the loss counts: those the model wrote
     adv: torch.Tensor             # (N,)
     sampler_logp: torch.Tensor    # (N, T) the sampler's log-probs
     out_index: torch.Tensor       # (K,) flat (N*T) place of each completion token
@@ -107,7 +107,9 @@ def build(groups, pad_id, device, layout=None):
         if lengths[row]:
             completion_ids[row, :lengths[row]] = torch.tensor(c.token_ids)
             sampler_logp[row, :lengths[row]] = torch.tensor(c.logprobs)
-            mask[row, :lengths[row]] = float(counted)
+            # the tokens the model wrote; a tool loop's tool results and template glue are context (tool_mask 0)
+            mask[row, :lengths[row]] = float(counted) * (torch.tensor(c.tool_mask, dtype=torch.float)
+                                                         if c.tool_mask is not None else 1.0)
     out_index = [row * T + t for row, n in enumerate(lengths) for t in range(n)]
     adv = torch.cat([a.reshape(-1) for _, _, a in groups]).float()         # (N,)
     mb = MicroBatch(prompt_ids, prompt_mask, repeats.to(device), completion_ids.to(device), mask.to(device),

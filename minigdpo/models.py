@@ -30,7 +30,7 @@ def cache_dir():
     return os.environ.get("MINIGDPO_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "minigdpo"))
 
 
-def _build_once(name, build):
+def build_once(name, build):
     """Build a model directory into the cache once; concurrent builders race harmlessly."""
     target = os.path.join(cache_dir(), name)
     if os.path.exists(os.path.join(target, "config.json")):
@@ -98,9 +98,9 @@ def _build_demo(path):
 def resolve_model(name):
     """A loadable path or hub name. tiny-random and the offline demo model are built once into the cache."""
     if name == TINY_MODEL:
-        return _build_once("tiny-random-llama", _build_tiny)
+        return build_once("tiny-random-llama", _build_tiny)
     if name == DEMO_MODEL and not os.path.isdir(name) and importlib.util.find_spec(DEMO_GGUF[0]) is not None:
-        return _build_once("SmolLM2-135M-Instruct-from-gguf", _build_demo)
+        return build_once("SmolLM2-135M-Instruct-from-gguf", _build_demo)
     return name
 
 

@@ -39,6 +39,7 @@ class Rollout:
     truncated: torch.Tensor    # (groups sampled * G,) 1 where a completion ran to max_new_tokens
     failures: list             # every rank's scorer failures, {reward: {kind: n}}
     stats: dict = field(default_factory=dict)  # sampling/... (dynamic sampling's rounds)
+    tools: dict = field(default_factory=dict)  # the tool loop's counts, every rank's summed (tool_metrics)
 
 
 def trainer_state(step, cursor, cfg, sizes, num_prompts):
@@ -61,26 +62,35 @@ def step_prompts(step, cursor, order, task, cfg, sizes, round_=0):
     return examples, cfg.seed * 1_000_003 + step * 1_009 + rank + round_ * 1_000_000_007
 
 
-def rollout(examples, seed, tokenizer, sampler, scorer, cfg, seconds, sleep=False):
-    """Steps 1-3 once: this rank's `examples` as prompts, G completions each drawn from `seed`, their rewards.
-    sleep=True puts the sampler to sleep before scoring, so that a reward model's memory does not come on top of
-    vLLM's: only when an update (and so a weight sync) is sure to follow."""
+def rollout(examples, seed, tokenizer, sampler, scorer, cfg, seconds, sleep=False, agent=None):
+    """Steps 1-3 once: this rank's `examples` as prompts, G completions each drawn from `seed`, their rewards; with an
+    agent (minigdpo/tools.py), G rollouts of its tool loop each. sleep=True puts the sampler to sleep before scoring,
+    so that a reward model's memory does not come on top of vLLM's: only when an update (and so a weight sync) is
+    sure to follow."""
     G = cfg.group_size
-    prompts = [encode_prompt(tokenizer, ex["messages"], cfg.max_prompt_len) for ex in examples]
     params = SamplingParams(cfg.temperature, cfg.top_p, cfg.max_new_tokens, seed=seed, ignore_eos=cfg.ignore_eos)
-    with timed(seconds, "generate"):
-        groups = sampler.generate(prompts, G, params)                      # len(prompts) lists of G completions
+    counts = {}
+    if agent is None:
+        prompts = [encode_prompt(tokenizer, ex["messages"], cfg.max_prompt_len) for ex in examples]
+        with timed(seconds, "generate"):
+            groups = sampler.generate(prompts, G, params)                  # len(prompts) lists of G completions
+    else:
+        prompts, groups, counts = agent.rollouts(examples, G, params, sampler, cfg.max_prompt_len, seconds)
     if sleep:
         sampler.sleep()
     flat = [c for group in groups for c in group]
-    with timed(seconds, "reward"):
+    with timed(seconds, "reward"):  # a rollout's tokens after its own prompt; the lengths of what the model wrote
         scores, failures = scorer([c.text for c in flat], [ex for ex in examples for _ in range(G)],
-                                  completion_ids=[c.token_ids for c in flat])        # (n * G, R)
+                                  [c.written for c in flat], [c.token_ids[c.prompt_tokens:] for c in flat],
+                                  *((None, None) if agent is None else ([c.messages for c in flat],
+                                                                        agent.environments)))  # (n * G, R)
     for i, c in enumerate(flat):  # log_extra's values travel with their completion (dynamic sampling moves groups)
         c.extra = {column: values[i] for column, values in scorer.extra.items() if i < len(values)}
     rewards = dist.all_gather(scores).view(-1, G, scores.shape[1]).double()          # (B, G, R)
-    lengths = dist.all_gather(torch.tensor([float(len(c.token_ids)) for c in flat])).view(-1, G)  # (B, G)
+    lengths = dist.all_gather(torch.tensor([float(c.written) for c in flat])).view(-1, G)  # (B, G) model tokens
     truncated = dist.all_gather(torch.tensor([float(c.finish_reason == "length") for c in flat]))  # (B * G,)
-    failures = [RewardScorer.merge([f]) for f in dist.all_gather_object(failures)]
+    gathered = dist.all_gather_object((failures, counts))  # with the tool loop's counts (Agent.rollouts)
+    failures = [RewardScorer.merge([f]) for f, _ in gathered]
     RewardScorer.check(RewardScorer.merge(failures))  # a reward that broke its contract on any rank: every rank stops
-    return Rollout(prompts, groups, rewards, lengths, rewards.cpu(), lengths, truncated, failures)
+    tools = {k: sum(c.get(k, 0) for _, c in gathered) for k in dict.fromkeys(k for _, c in gathered for k in c)}
+    return Rollout(prompts, groups, rewards, lengths, rewards.cpu(), lengths, truncated, failures, tools=tools)

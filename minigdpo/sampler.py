@@ -28,7 +28,7 @@ from minigdpo.models import full_attention
 class SamplingParams:
     temperature: float = 1.0   # 0 means greedy
     top_p: float = 1.0
-    max_new_tokens: int = 256
+    max_new_tokens: int = 256  # or one limit per prompt (a list: the tool loop's remaining budgets)
     seed: int = 0              # the same seed and weights give the same completions
     ignore_eos: bool = False   # keep going past stop tokens (benchmarks use fixed lengths)
 
@@ -40,6 +40,16 @@ class Completion:
     finish_reason: str = "length"  # "stop" when a stop token ended it
     text: str = field(default="", repr=False)
     extra: dict = field(default_factory=dict, repr=False)  # a TRL-style reward's log_extra values (samples.jsonl)
+    # A tool loop's rollout (minigdpo/tools.py): 1 where the model wrote the token, 0 on tools' and the template's;
+    # the conversation after the prompt; the tokens of its own prompt that lead token_ids (0 but with environments)
+    tool_mask: list = field(default=None, repr=False)
+    messages: list = field(default=None, repr=False)
+    prompt_tokens: int = 0
+
+    @property
+    def written(self):
+        """The tokens the model wrote: what the loss, the KL and the lengths count."""
+        return len(self.token_ids) if self.tool_mask is None else sum(self.tool_mask)
 
 
 class WeightSyncError(RuntimeError):
@@ -158,7 +168,8 @@ class HFSampler:
     @torch.no_grad()
     def generate(self, prompts, n, params):
         self.wake()  # back on the accelerator if sleep() moved it off and no weight sync brought it back
-        B = len(prompts)
+        B, T = len(prompts), params.max_new_tokens
+        limits = torch.tensor(T if isinstance(T, list) else [T] * B, device=self.device).repeat_interleave(n)  # (N,)
         cache, logits, mask = self._prefill(prompts)                        # (B, V), (B, P)
         if n > 1:  # share the prefill: copy each prompt's cache to its n samples
             cache.batch_repeat_interleave(n)
@@ -166,11 +177,11 @@ class HFSampler:
         N = B * n
         next_pos = mask.sum(-1)                                             # (N,)
         generator = torch.Generator(device=self.device).manual_seed(params.seed)
-        tokens = torch.full((N, params.max_new_tokens), self.pad_id, dtype=torch.long, device=self.device)
-        logps = torch.zeros((N, params.max_new_tokens), device=self.device)
+        tokens = torch.full((N, int(limits.max())), self.pad_id, dtype=torch.long, device=self.device)  # (N, T)
+        logps = torch.zeros(tokens.shape, device=self.device)
         done = torch.zeros(N, dtype=torch.bool, device=self.device)        # (N,)
-        lengths = torch.full((N,), params.max_new_tokens, device=self.device)
-        for t in range(params.max_new_tokens):
+        lengths = limits.clone()                                           # (N,) each row's own limit
+        for t in range(tokens.shape[1]):
             tok, lp = sample_next(logits, params, generator)                # (N,), (N,)
             tok = torch.where(done, self.pad_id, tok)
             tokens[:, t], logps[:, t] = tok, torch.where(done, 0.0, lp)
@@ -178,10 +189,11 @@ class HFSampler:
                 stopped = ~done & torch.isin(tok, self.stop_ids)
                 lengths = torch.where(stopped, t + 1, lengths)
                 done |= stopped
-                # bool() waits for an accelerator: there, ask every sync_every steps. The extra steps of
-                # finished rows write padding beyond their lengths, so the completions are the same.
-                if (t + 1) % self.sync_every == 0 and bool(done.all()):
-                    break
+            done |= t + 1 >= limits  # a row at its own limit is done
+            # bool() waits for an accelerator: there, ask every sync_every steps. The extra steps of
+            # finished rows write padding beyond their lengths, so the completions are the same.
+            if (t + 1) % self.sync_every == 0 and bool(done.all()):
+                break
             # Rows that are done feed padding; their outputs are never read, so the new column can be all ones.
             mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)  # (N, P + t + 1)
             out = self.model(input_ids=tok[:, None], attention_mask=self._decode_mask(mask),

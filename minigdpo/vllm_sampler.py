@@ -203,10 +203,11 @@ class VLLMSampler:
                                   "since: call sleep() only when a weight sync follows")
         self.wake()
         stop = [] if params.ignore_eos else self.stop_ids  # vLLM stops on stop_token_ids even with ignore_eos
-        sampling = [vllm.SamplingParams(n=n, temperature=params.temperature, top_p=params.top_p,
-                                        max_tokens=params.max_new_tokens, logprobs=0, seed=s,
-                                        stop_token_ids=stop, ignore_eos=params.ignore_eos)
-                    for s in request_seeds(params.seed, len(prompts), n)]
+        limits = params.max_new_tokens if isinstance(params.max_new_tokens, list) else \
+            [params.max_new_tokens] * len(prompts)  # one per prompt: the tool loop's budgets
+        sampling = [vllm.SamplingParams(n=n, temperature=params.temperature, top_p=params.top_p, max_tokens=m,
+                                        logprobs=0, seed=s, stop_token_ids=stop, ignore_eos=params.ignore_eos)
+                    for s, m in zip(request_seeds(params.seed, len(prompts), n), limits)]
         outputs = self.llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompts], sampling, use_tqdm=False,
                                     lora_request=self.lora_request)
         return [[self._completion(c) for c in out.outputs] for out in outputs]

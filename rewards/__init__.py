@@ -12,6 +12,8 @@ the ground truth under the keys its rewards read. A reward is a plain function
 | toolcall    | toolcall.py    | tool_format, tool_correct| ToolRL's rows or its SFT file (--data)                |
 | math_length | math_length.py | correct, length_ok       | problem/answer rows; DeepScaleR on the hub            |
 | code        | code.py        | pass, length_ok, no_bug  | built in: code_problems.jsonl (24 problems), or rows  |
+| calculator  | calculator.py  | solved, answer_tag,      | built in: sums and products, for an agent with tools  |
+|             |                | tool_economy             |                                                       |
 
 Built-in rewards and tasks are registered here, in one place, by name; `get("module:function")`
 also loads a user's own reward (`--rewards correct,mypkg.rewards:polite`: docs/tasks.md, "Your own reward").
@@ -43,12 +45,14 @@ from rewards import reward_model, trl_style
 from rewards.trl_style import RewardError  # noqa: F401 (train.py and eval.py catch it from here)
 
 TASKS = {"gsm8k": "rewards.gsm8k", "arith": "rewards.arith", "toolcall": "rewards.toolcall",
-         "math_length": "rewards.math_length", "code": "rewards.code", "prompts": "rewards.prompts"}
+         "math_length": "rewards.math_length", "code": "rewards.code", "prompts": "rewards.prompts",
+         "calculator": "rewards.calculator"}
 BUILTIN = {"format": "rewards.gsm8k:format_reward", "correct": "rewards.gsm8k:correct_reward",
            "integer": "rewards.gsm8k:integer_reward", "length_ok": "rewards.length:length_ok",
            "tool_format": "rewards.toolcall:tool_format", "tool_format_strict": "rewards.toolcall:tool_format_strict",
            "tool_correct": "rewards.toolcall:tool_correct", "pass": "rewards.code:pass_reward",
-           "no_bug": "rewards.code:no_bug_reward"}
+           "no_bug": "rewards.code:no_bug_reward", "solved": "rewards.calculator:solved",
+           "answer_tag": "rewards.calculator:answer_tag", "tool_economy": "rewards.calculator:tool_economy"}
 
 
 # Tasks -----------------------------------------------------------------------------------------
@@ -76,12 +80,13 @@ def load_task(name, data="", split="train", skip_bad=False, data_options=None, r
     return Task(name, [{**ex, **reward_options} for ex in examples], list(task.REWARDS), skipped, reward_options)
 
 
-def encode_prompt(tokenizer, messages, max_len):
-    """Chat template with the generation prompt, cut from the left to max_len tokens; a string (TRL's standard
-    prompt, rewards/prompts.py) is tokenized as it is, with the tokenizer's own special tokens, as TRL does."""
+def encode_prompt(tokenizer, messages, max_len, tools=None):
+    """Chat template with the generation prompt (and the tools' schemas, an agent's), cut from the left to max_len
+    tokens; a string (TRL's standard prompt, rewards/prompts.py) is tokenized as it is, with the tokenizer's own
+    special tokens, as TRL does."""
     if isinstance(messages, str):
         return tokenizer(messages).input_ids[-max_len:]
-    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    text = tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=False)
     return tokenizer(text, add_special_tokens=False).input_ids[-max_len:]
 
 
@@ -198,8 +203,10 @@ class RewardScorer:
     KINDS = ("errors", "timeouts", "invalid", "none")
     ADDED = KINDS + ("truncated", "model_seconds")  # added up over batches and ranks; a reward model adds these two
 
-    def __init__(self, reward_names, timeout=10.0, max_timeouts=3):
-        self.rewards = [get(n) for n in reward_names]
+    def __init__(self, reward_names, timeout=10.0, max_timeouts=3, own=None):
+        """own: {name: function} for rewards the run makes itself (an environment's get_reward, TRL-style)."""
+        own = own or {}
+        self.rewards = [Reward(n, own[n], batched=True) if n in own else get(n) for n in reward_names]
         self.names = list(reward_names)
         self.timeout = timeout
         self.max_timeouts = max_timeouts
@@ -293,13 +300,15 @@ class RewardScorer:
             else:
                 s[kind] += 1
 
-    def _call_batched(self, reward, column, s, texts, examples, completion_ids, can_time_out):
-        """A TRL-style reward on the whole batch (rewards/trl_style.py), its values written into column (N,)."""
+    def _call_batched(self, reward, column, s, texts, examples, completion_ids, can_time_out, agent):
+        """A TRL-style reward on the whole batch (rewards/trl_style.py), its values written into column (N,); agent:
+        (messages, environments) of a tool loop's rollouts, or Nones."""
         N, metrics = len(texts), {}
         ids = completion_ids if completion_ids is not None else [[] for _ in texts]
         try:
             with self._time_limit(can_time_out, N):
-                result = reward.fn(**trl_style.arguments(texts, examples, ids, self.trainer_state, metrics, self.extra))
+                result = reward.fn(**trl_style.arguments(texts, examples, ids, self.trainer_state, metrics, self.extra,
+                                                         *agent))
                 if inspect.iscoroutine(result):
                     self._loop = self._loop or trl_style.EventLoop()
                     result = self._loop.run(result)
@@ -318,14 +327,16 @@ class RewardScorer:
         s.update({f"metric/{k}": v for k, v in metrics.items()})
         column.copy_(torch.tensor([math.nan if v is None else v for v in got], dtype=torch.float64))
 
-    def __call__(self, completions, examples, completion_tokens=None, completion_ids=None):
-        """completion_ids (token id lists) give completion_tokens too. A broken contract is not raised here, where
-        the other ranks would wait in the next collective, but returned in the stats (check() raises it once every
-        rank's stats are merged)."""
+    def __call__(self, completions, examples, completion_tokens=None, completion_ids=None, messages=None,
+                 environments=None):
+        """completion_ids (token id lists) give completion_tokens too, unless given. A tool loop's rollouts come with
+        their messages and environments (what TRL-style rewards get; minigdpo/tools.py). A broken contract is not
+        raised here, where the other ranks would wait in the next collective, but returned in the stats (check()
+        raises it once every rank's stats are merged)."""
         N, R = len(completions), len(self.rewards)
         if len(examples) != N:
             raise ValueError(f"{N} completions but {len(examples)} examples")
-        if completion_ids is not None:
+        if completion_ids is not None and completion_tokens is None:
             completion_tokens = [len(ids) for ids in completion_ids]
         if completion_tokens is not None:
             examples = [{**ex, "completion_tokens": int(n)} for ex, n in zip(examples, completion_tokens)]
@@ -346,7 +357,8 @@ class RewardScorer:
                     except Exception as e:  # the per-sample calls still run without the batch cache
                         self._warn(reward.name, "prepare", f"batch hook raised {type(e).__name__}: {e}")
                 if reward.batched:
-                    self._call_batched(reward, out[:, k], s, completions, examples, completion_ids, can_time_out)
+                    self._call_batched(reward, out[:, k], s, completions, examples, completion_ids, can_time_out,
+                                       (messages, environments))
                 else:
                     self._call_each(reward, out[:, k], s, completions, examples, can_time_out)
                 s["seconds"] = time.perf_counter() - t0

@@ -74,12 +74,16 @@ class EventLoop:
             raise
 
 
-def arguments(texts, examples, completion_ids, state, metrics, extra):
-    """The keyword arguments of one TRL-style call."""
+def columns(example):
+    """An example's columns, as TRL passes a row's: a row's own (rewards/prompts.py), or a built-in task's fields."""
+    return example.get("columns") or [k for k in example if k not in ("messages", "completion_tokens", "columns")]
+
+
+def arguments(texts, examples, completion_ids, state, metrics, extra, messages=None, environments=None):
+    """The keyword arguments of one TRL-style call. messages: each completion as TRL's list of messages (a tool
+    loop's conversation, minigdpo/tools.py); environments: each completion's environment."""
     chat = [isinstance(ex["messages"], list) for ex in examples]
-    columns = examples[0].get("columns") if examples else ()
-    if columns is None:  # a built-in task's example: its own fields
-        columns = [k for k in examples[0] if k not in ("messages", "completion_tokens")]
+    names = columns(examples[0]) if examples else ()
 
     def log_metric(name, value):
         total, count = metrics.get(name, (0.0, 0))
@@ -89,9 +93,10 @@ def arguments(texts, examples, completion_ids, state, metrics, extra):
         extra[column] = list(values)
 
     return {"prompts": [ex["messages"] for ex in examples],
-            "completions": [[{"role": "assistant", "content": t}] if c else t for t, c in zip(texts, chat)],
-            "completion_ids": [list(ids) for ids in completion_ids], **{c: [ex[c] for ex in examples] for c in columns},
-            "trainer_state": state, "log_metric": log_metric, "log_extra": log_extra}
+            "completions": messages or [[{"role": "assistant", "content": t}] if c else t for t, c in zip(texts, chat)],
+            "completion_ids": [list(ids) for ids in completion_ids], **{c: [ex[c] for ex in examples] for c in names},
+            "trainer_state": state, "log_metric": log_metric, "log_extra": log_extra,
+            **({"environments": environments} if environments is not None else {})}
 
 
 def values(name, result, n):

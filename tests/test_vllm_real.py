@@ -40,7 +40,7 @@ def path(model_cache):
 
     build = functools.partial(models._build_tiny, hidden_size=128, intermediate_size=256, num_attention_heads=2,
                               num_key_value_heads=1, max_position_embeddings=512)
-    return models._build_once("tiny-llama-hd64", build)
+    return models.build_once("tiny-llama-hd64", build)
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,25 @@
+"""Presets: plain dicts of Config field values (minigdpo/config.py), which explicit flags override.
+
+    python train.py --preset a100 --estimator gdpo     # the preset, then the flags given
+"""
+
+PRESETS = {
+    # The paper's released GSM8K recipe: 512 completions (32 prompts x G=16) a step, on 8 GPUs x 16 x 4 accumulations.
+    "paper-gsm8k": dict(),
+    # One 80 GB A100: G=8, 256 completions per step, micro-batches that fit with vLLM colocated.
+    "a100": dict(group_size=8, batch_size=256, micro_batch_tokens=16384, grad_checkpointing=True,
+                 vllm_gpu_memory_utilization=0.35),
+    # Qwen2.5-7B on one 80 GB A100: frozen bf16 base, rank-32 adapters, no reference copy; lr 5e-5 untuned.
+    "a100-lora": dict(model="Qwen/Qwen2.5-7B-Instruct", group_size=8, batch_size=256, micro_batch_tokens=16384,
+                      grad_checkpointing=True, lora_rank=32, lora_alpha=64.0, lr=5e-5,
+                      vllm_gpu_memory_utilization=0.55),
+    # Offline, 2 CPU cores, about 7 minutes: SmolLM2-135M learns arithmetic, then meets its base model on 64 problems.
+    "cpu-demo": dict(model="HuggingFaceTB/SmolLM2-135M-Instruct", task="arith", group_size=8, batch_size=32,
+                     lr=2e-5, warmup_ratio=0.0, lr_schedule="constant", max_prompt_len=256, max_new_tokens=48,
+                     max_steps=12, temperature=0.7, arith_difficulty=1, save_every=0, samples_every=4,
+                     output_dir="runs/cpu-demo", sampler="hf", final_eval=64),
+    # A tiny random model for tests and smoke runs.
+    "smoke": dict(model="tiny-random", task="arith", group_size=4, batch_size=8, micro_batch_size=4, lr=1e-3,
+                  max_prompt_len=64, max_new_tokens=8, max_steps=2, save_every=1, samples_every=1,
+                  output_dir="runs/smoke", sampler="hf", warmup_ratio=0.0, reward_timeout=5.0),
+}
