@@ -37,7 +37,8 @@ def never_applies(completion, example):
 # tests check every value against it.
 RANGES = {"format": (0.0, 1.0), "correct": (0.0, 1.0), "integer": (0.0, 1.0), "length_ok": (0.0, 1.0),
           "tool_format": (0.0, 1.0), "tool_format_strict": (0.0, 1.0), "tool_correct": (-3.0, 3.0),
-          "pass": (0.0, 1.0), "no_bug": (0.0, 1.0)}
+          "pass": (0.0, 1.0), "no_bug": (0.0, 1.0), "solved": (0.0, 1.0), "answer_tag": (0.0, 1.0),
+          "tool_economy": (0.0, 1.0)}
 
 
 def odd_answers_only(completion, example):

@@ -55,8 +55,19 @@ SANDBOXED = [n for n in registry.names() if registry.get(n).prepare is not None]
 
 
 def check(name, completion):
+    """One completion through the reward as the scorer calls it: per completion, or TRL-style (batched, by keyword,
+    the completion as the last message of a tool loop's conversation, minigdpo/tools.py)."""
     reward = registry.get(name)
-    value = reward.fn(completion, dict(EXAMPLE))
+    if reward.batched:
+        from rewards import trl_style
+
+        example = dict(EXAMPLE, messages=[{"role": "user", "content": "q"}], kind="hard")
+        messages = [[{"role": "assistant", "content": "", "tool_calls": [{"function": {"name": "f"}}]},
+                     {"role": "tool", "content": "r"}, {"role": "assistant", "content": completion}]]
+        (value,), _ = trl_style.values(name, reward.fn(**trl_style.arguments([completion], [example], [[]], None, {},
+                                                                              {}, messages)), 1)
+    else:
+        value = reward.fn(completion, dict(EXAMPLE))
     low, high = RANGES[name]
     assert value is None or low <= value <= high, (name, value)
 
