@@ -45,11 +45,11 @@ from tqdm import tqdm
 
 from minigdpo import checkpoint, config, dist, dynamic_sampling, logprobs, lora, microbatch, models, policy, rollout, \
     tools
-from minigdpo.advantages import Condition, apply_conditions, distinct_per_group, per_reward_stats
+from minigdpo.advantages import Condition, advantage_stats, apply_conditions
 from minigdpo.estimators import REGISTRY
 from minigdpo.data import DataError
 from minigdpo.rollout import timed
-from minigdpo.update import fill_logprobs, optimizer, scheduler, step_metrics, update
+from minigdpo.update import fill_logprobs, optimizer, scheduler, step_metrics, throughput, update
 from minigdpo.vllm_sampler import SamplerUnavailable, check_sampler, make_sampler, resolve_kind
 from rewards import PromptOrder, RewardError, RewardScorer, load_task
 from rewards.reward_model import RewardModelError
@@ -188,11 +188,8 @@ def run_training(argv=None):
             m["sampling/uninformative_frac"] = 1 - dynamic_sampling.informative(
                 batch.rewards, names, conditions, weights, cfg).float().mean().item()
         if totals is not None:
-            m |= step_metrics(totals) | throughput(batches, model, cfg, flops_per_token, attention_flops, seconds) | {
-                "adv/mean": adv_all.mean().item(), "adv/std": adv_all.std().item(),
-                "adv/distinct_per_group": distinct_per_group(adv_all).float().mean().item(),
-                "adv/zero_groups": (adv_all.abs().amax(dim=1) < 1e-6).float().mean().item(),
-                **per_reward_stats(conditioned, names)}
+            m |= step_metrics(totals) | throughput(batches, model, cfg, flops_per_token, attention_flops, seconds) | \
+                advantage_stats(adv_all, conditioned, names)
             if m["sampler/logp_gap"] > gap_warn:
                 log.write(f"warning: step {step}: sampler/trainer log-prob gap {m['sampler/logp_gap']:.3g} > "
                           f"{gap_warn:g} (stale or broken weight sync?)", error=True)
@@ -248,22 +245,6 @@ def check_fast_pass(model, ref, groups, cfg, pad_id, device, dtype, log):
                   f" and {found['mean']:.3g} per token (bounds {bound['max']:g} and {bound['mean']:g}: rounding): the"
                   f" policy and its reference run their own forward from now on", error=True)
     return {f"logprobs/fast_pass_{k}_diff": v for k, v in found.items()}
-
-
-def throughput(batches, model, cfg, flops_per_token, attention_flops, seconds):
-    """The update's work, every rank's: real tokens (each prompt once where the model shares it, every completion
-    token) and the positions computed, padding included, whose difference is throughput/padding_frac; TFLOP/s
-    on the real tokens only, with attention's 12 x layers x hidden per causal (query, key) pair."""
-    shared = model.fast
-    real, computed, pairs = dist.all_reduce(torch.tensor([[mb.real_tokens(shared), mb.model_tokens(), mb.pairs]
-                                                          for mb in batches], dtype=torch.float64).sum(0)).tolist()
-    passes, secs = cfg.num_iterations, max(seconds["update"], 1e-9)
-    return {"throughput/update_tokens_per_s": passes * real / secs,
-            "throughput/padding_frac": 1 - real / max(computed, 1),
-            "throughput/tokens_per_micro_batch": computed / max(1, len(batches) * dist.world_size()),
-            "throughput/update_tflops_per_device": passes * (flops_per_token * real + attention_flops * pairs) / secs
-            / 1e12 / dist.world_size(), "throughput/attention_flops_frac": attention_flops * pairs
-            / max(flops_per_token * real + attention_flops * pairs, 1)}
 
 
 def rewards_setup(cfg, task, toolbox=None):

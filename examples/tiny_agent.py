@@ -10,10 +10,10 @@ task (rewards/calculator.py), such as
     <|im_start|>tool\n1035<|im_end|>
     <|im_start|>assistant\n<answer>1035</answer><|im_end|>
 
-Half of the conversations call the tool, the other half answer at once: <answer>N</answer>. The result is a
-policy with something left to learn by RL: it answers "What is A+B?" (single digits) right on its own, but
-cannot multiply two-digit numbers ("What is A*B?"), so there it only gets the answer by calling the tool,
-which it does about half the time. After a tool result it copies the result into its answer. The tests' agent
+Half of the conversations call the tool (35% of easy ones, 65% of hard ones: CALLS), the other half answer at once:
+<answer>N</answer>. The result is a policy with something left to learn by RL: it answers "What is A+B?" (single
+digits) right on its own, but cannot multiply two-digit numbers ("What is A*B?"), so there it only gets the answer
+by calling the tool, which it does about two times in three. After a tool result it copies the result into its answer. The tests' agent
 (tests/test_tools.py) and the CPU example (examples/agent_cpu.py) start from it.
 
     python examples/tiny_agent.py OUT_DIR      # build (about 20 s on one thread) and measure it
@@ -50,9 +50,12 @@ CALL_PREFIX = '{"name": "calculate", "arguments": {"expression": "'
 ADDED_TOKENS = ["<tool_call>", "</tool_call>", CALL_PREFIX, '"}}', "<answer>", "</answer>",
                 "system", "user", "assistant", "tool", "Tools: ", "calculate", "What is ", " " + INSTRUCTION]
 GUESS_WEIGHT = 0.1  # weight of the digits of direct answers to hard questions: noise to a model that cannot multiply
-SHAPE = dict(hidden_size=64, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
-             num_key_value_heads=4, max_position_embeddings=1024, initializer_range=0.1)
+SHAPE = dict(hidden_size=64, intermediate_size=256, num_hidden_layers=2, num_attention_heads=1,  # a head of 64:
+             num_key_value_heads=1, max_position_embeddings=1024, initializer_range=0.1)  # vLLM's CPU build takes it
 STEPS, BATCH, LR = 1000, 16, 3e-3
+# How often the conversations call the tool, on easy and on hard problems: half the time in all, a little more on
+# hard ones, so that the model has a feature that tells the two apart (with 0.5 and 0.5 RL moved both alike)
+CALLS = {False: 0.35, True: 0.65}
 
 
 def question(rng, hard):
@@ -75,7 +78,7 @@ def conversation(rng):
         if not hard or len(result) == 3 or rng.random() < 0.23:
             break
     answer = {"role": "assistant", "content": f"<answer>{result}</answer>"}
-    if rng.random() < 0.5:
+    if rng.random() >= CALLS[hard]:
         return [user, answer]
     call = {"type": "function", "function": {"name": "calculate", "arguments": {"expression": expression}}}
     return [user, {"role": "assistant", "content": "", "tool_calls": [call]},
@@ -118,9 +121,10 @@ def batch(tok, conversations):
     return ids, weights
 
 
-def build(path, steps=STEPS, seed=0, log=None):
+def build(path, steps=STEPS, seed=0, log=None, **shape):
     """Write the tiny-agent model directory to `path`; returns the training time in seconds (one thread).
-    The same seed gives the same weights. `log`, e.g. print, gets the loss every 100 steps."""
+    The same seed gives the same weights. `log`, e.g. print, gets the loss every 100 steps; `shape` overrides
+    SHAPE."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     threads = torch.get_num_threads()
@@ -130,7 +134,7 @@ def build(path, steps=STEPS, seed=0, log=None):
         rng = random.Random(seed)
         data = [batch(tok, [conversation(rng) for _ in range(BATCH)]) for _ in range(steps)]
         config = LlamaConfig(vocab_size=len(tok), tie_word_embeddings=True, eos_token_id=tok.eos_token_id,
-                             pad_token_id=tok.pad_token_id, bos_token_id=None, **SHAPE)
+                             pad_token_id=tok.pad_token_id, bos_token_id=None, **(SHAPE | shape))
         torch.manual_seed(seed)
         model = LlamaForCausalLM(config)
         opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.0, betas=(0.9, 0.98))
@@ -192,8 +196,12 @@ def evaluate(path, n=200, seed=1):
                 if isinstance(called, str):
                     exact += called == expression
                     call = {"type": "function", "function": {"name": "calculate", "arguments": {"expression": called}}}
+                    try:
+                        result = calculate(called)
+                    except (ValueError, SyntaxError) as e:  # what the tool loop turns into an error message
+                        result = str({"error": str(e)})
                     follow.append(([q, {"role": "assistant", "content": "", "tool_calls": [call]},
-                                    {"role": "tool", "content": calculate(called)}], calculate(called)))
+                                    {"role": "tool", "content": result}], result))
             else:
                 direct += 1
                 formed += re.fullmatch(r"<answer>\d+</answer>", text) is not None

@@ -263,12 +263,15 @@ def gdpo_nemo_group(rewards, weights=None, eps=NEMO_STD_EPS, leave_one_out=True)
     return (per_reward * weights_of(rewards, weights)).sum(dim=-1)     # (B, G)
 
 
-def per_reward_stats(rewards, names):
-    """Each reward's own group advantage (Eq. 4, whatever the estimator) over the batch: its std and the share of
-    rollouts where it is 0, the signal that reward gives. rewards: (B, G, R) after conditions."""
+def advantage_stats(advantages, rewards, names):
+    """The step's advantages (B, G): mean, std, distinct values per group (the collapse signal) and the share of
+    groups with none; and each reward's own group advantage (Eq. 4, whatever the estimator) over the batch: its std
+    and the share of rollouts where it is 0, the signal that reward gives. rewards: (B, G, R) after conditions."""
     a_k = group_zscore(rewards)                                      # (B, G, R)
     flat = a_k.reshape(-1, a_k.shape[-1])                            # (B*G, R)
-    out = {}
+    out = {"adv/mean": advantages.mean().item(), "adv/std": advantages.std().item(),
+           "adv/distinct_per_group": distinct_per_group(advantages).float().mean().item(),
+           "adv/zero_groups": (advantages.abs().amax(dim=1) < 1e-6).float().mean().item()}
     for k, name in enumerate(names):
         out[f"adv/{name}/std"] = flat[:, k].std().item() if flat.shape[0] > 1 else 0.0
         out[f"adv/{name}/zero_frac"] = (flat[:, k].abs() < 1e-6).double().mean().item()

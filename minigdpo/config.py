@@ -30,7 +30,8 @@ class ConfigError(ValueError):
 class Config:
     # What to train
     preset: str = "paper-gsm8k"
-    """Starting values: paper-gsm8k, a100, a100-lora, cpu-demo or smoke. Explicit flags override them."""
+    """Starting values: paper-gsm8k, a100, a100-lora, a100-agent, cpu-demo or smoke (minigdpo/presets.py).
+    Explicit flags override them."""
     model: str = "Qwen/Qwen2.5-1.5B-Instruct"
     """Policy: a Hugging Face hub name, a local directory, or tiny-random (a 2-layer random Llama, offline)."""
     task: str = "gsm8k"

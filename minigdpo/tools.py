@@ -25,6 +25,7 @@ environment made the G prompts of a group differ: the group's prompt is then the
 message), and `text`, the final message's content.
 """
 
+import asyncio
 import importlib
 import inspect
 import json
@@ -33,7 +34,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 from minigdpo.config import ConfigError
 from minigdpo.rollout import timed
-from minigdpo.sampler import Completion, SamplingParams
+from minigdpo.sampler import Completion, SamplingParams, common_prefix
 from rewards import encode_prompt
 from rewards.trl_style import EventLoop, columns
 
@@ -164,30 +165,28 @@ class Agent:
         """One rollout's calls, in order, as TRL makes them: its tool messages (sync results first, then the async
         ones, then the calls that could not be read) and {name: [calls, failures]}."""
         by_name = {fn.__name__: fn for fn in tools}
-        done, waiting, counts = [], [], {}
+        done, waiting = [], []
         for call in calls:
             name = call["function"]["name"]
-            count = counts.setdefault(name, [0, 0])
-            count[0] += 1
             try:
                 if name not in by_name:
                     raise ValueError(f"Tool {name} not found.")
                 result = by_name[name](**call["function"]["arguments"])
-                (waiting if inspect.iscoroutine(result) else done).append((name, result))
+                (waiting if inspect.iscoroutine(result) else done).append((name, result, False))
             except Exception as e:
-                count[1] += 1
-                done.append((name, {"error": str(e)}))
+                done.append((name, {"error": str(e)}, True))
         if waiting:
             async def gather():
-                import asyncio
-                return await asyncio.gather(*(c for _, c in waiting), return_exceptions=True)
-            for (name, _), result in zip(waiting, self.loop.run(gather())):
-                counts[name][1] += isinstance(result, Exception)
-                done.append((name, {"error": str(result)} if isinstance(result, Exception) else result))
-        for error in errors:
-            counts["unknown"] = [counts.get("unknown", [0, 0])[0] + 1, counts.get("unknown", [0, 0])[1] + 1]
-            done.append(("unknown", {"error": error}))
-        return [{"role": "tool", "name": n, "content": r if isinstance(r, list) else str(r)} for n, r in done], counts
+                return await asyncio.gather(*(c for _, c, _ in waiting), return_exceptions=True)
+            done += [(name, {"error": str(r)}, True) if isinstance(r, Exception) else (name, r, False)
+                     for (name, *_), r in zip(waiting, self.loop.run(gather()))]
+        done += [("unknown", {"error": error}, True) for error in errors]
+        counts = {}
+        for name, _, failed in done:
+            counts[f"calls/{name}"] = counts.get(f"calls/{name}", 0) + 1
+            counts[f"failures/{name}"] = counts.get(f"failures/{name}", 0) + failed
+        return [{"role": "tool", "name": n, "content": r if isinstance(r, list) else str(r)} for n, r, _ in done], \
+            counts
 
     def rollouts(self, examples, n, params, sampler, max_prompt_len, seconds):
         """n rollouts of each example: (one prompt per group, their token ids; the groups, n Completions each;
@@ -202,7 +201,7 @@ class Agent:
             if isinstance(shown, str):  # TRL: appended to the last prompt message's content
                 messages[i][-1] = {**messages[i][-1], "content": messages[i][-1]["content"] + shown}
         own = [encode_prompt(self.tok, m, max_prompt_len, self.box.schemas or None) for m in messages]
-        shared = [common(own[g * n:(g + 1) * n]) for g in range(len(examples))]
+        shared = [own[g * n][:common_prefix(own[g * n:(g + 1) * n])] for g in range(len(examples))]
         with timed(seconds, "generate"):
             if all(len(p) == len(shared[i // n]) for i, p in enumerate(own)):
                 first = [c for group in sampler.generate(shared, n, params) for c in group]
@@ -218,8 +217,7 @@ class Agent:
                 results = [job.result() for job in jobs]
             going = []
             for i, (tool_messages, used) in zip(active, results):
-                for name, (c, f) in used.items():
-                    counts[name] = [a + b for a, b in zip(counts.get(name, [0, 0]), (c, f))]
+                counts = {k: counts.get(k, 0) + used.get(k, 0) for k in counts | used}
                 suffix = self.suffix_ids(tool_messages)
                 s = state[i]
                 if len(s["ids"]) + len(suffix) > params.max_new_tokens or \
@@ -242,7 +240,6 @@ class Agent:
             active = self.extend(state, going, more, own)
         groups = [[self.completion(state[i], own[i], len(shared[i // n]), first[i]) for i in range(g * n, (g + 1) * n)]
                   for g in range(len(examples))]
-        counts = {f"{k}/{name}": c[j] for name, c in counts.items() for j, k in enumerate(("calls", "failures"))}
         return shared, groups, counts | {"rollouts": N, "turns": sum(s["turns"] for s in state),
                                          "tool_tokens": sum(len(s["mask"]) - sum(s["mask"]) for s in state),
                                          "tokens": sum(len(s["mask"]) for s in state)}
@@ -267,11 +264,12 @@ class Agent:
         return calling
 
     def completion(self, s, own, shared, first):
-        """A rollout as the trainer takes it: its own prompt's tail (masked) and every token it added."""
+        """A rollout as the trainer takes it: its own prompt's tail (masked) and every token it added; cut short
+        (finish_reason "length") where it ends on tool tokens with no budget left for a turn, as TRL counts it."""
         tail = own[shared:]
-        last = s.get("last", first)
+        finish = "length" if s["mask"][-1:] == [0] else s.get("last", first).finish_reason
         final = next((m["content"] for m in reversed(s["messages"]) if m["role"] == "assistant"), "")
-        return Completion(tail + s["ids"], [0.0] * len(tail) + s["logp"], last.finish_reason, final,
+        return Completion(tail + s["ids"], [0.0] * len(tail) + s["logp"], finish, final,
                           tool_mask=[0] * len(tail) + s["mask"], messages=s["messages"], prompt_tokens=len(tail))
 
 
@@ -288,15 +286,6 @@ def metrics(counts):
             "tools/turns_mean": counts["turns"] / rollouts, "tools/token_frac": counts["tool_tokens"] /
             max(counts["tokens"], 1)} | {f"tools/{k.split('/', 1)[1]}/{k.split('/')[0]}": v for k, v in counts.items()
                                          if "/" in k}
-
-
-def common(prompts):
-    """The longest prefix of token lists that every one shares."""
-    first = prompts[0]
-    for k in range(len(first)):
-        if any(len(p) <= k or p[k] != first[k] for p in prompts):
-            return first[:k]
-    return list(first)
 
 
 def check_template(agent, model):

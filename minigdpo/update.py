@@ -241,3 +241,19 @@ def step_metrics(totals):
             "loss/ratio_max": dist.all_reduce(totals["ratio_max"].float(), op="max").item(),
             "entropy": sums["entropy"] / tokens, "grad_norm": totals["grad_norm"].item(),
             "sampler/logp_gap": sums["gap"] / tokens, "loss/skipped_steps": int(totals["skipped_steps"].item())}
+
+
+def throughput(batches, model, cfg, flops_per_token, attention_flops, seconds):
+    """The update's work, every rank's: real tokens (each prompt once where the model shares it, every completion
+    token) and the positions computed, padding included, whose difference is throughput/padding_frac; TFLOP/s
+    on the real tokens only, with attention's 12 x layers x hidden per causal (query, key) pair."""
+    shared = model.fast
+    real, computed, pairs = dist.all_reduce(torch.tensor([[mb.real_tokens(shared), mb.model_tokens(), mb.pairs]
+                                                          for mb in batches], dtype=torch.float64).sum(0)).tolist()
+    passes, secs = cfg.num_iterations, max(seconds["update"], 1e-9)
+    return {"throughput/update_tokens_per_s": passes * real / secs,
+            "throughput/padding_frac": 1 - real / max(computed, 1),
+            "throughput/tokens_per_micro_batch": computed / max(1, len(batches) * dist.world_size()),
+            "throughput/update_tflops_per_device": passes * (flops_per_token * real + attention_flops * pairs) / secs
+            / 1e12 / dist.world_size(), "throughput/attention_flops_frac": attention_flops * pairs
+            / max(flops_per_token * real + attention_flops * pairs, 1)}

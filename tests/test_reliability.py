@@ -220,6 +220,7 @@ def test_bad_rows_stop_by_default_and_are_skipped_on_request(tmp_path):
 
 BAD_VALUES = {  # every config field, with a value it must refuse (the test below checks the list is complete)
     "preset": "huge", "model": " ", "task": "chess", "data": None, "rewards": None, "reward_weights": [float("nan")] * 3,
+    "tools": None, "environment": None, "max_tool_calls": -1,
     "condition": None, "estimator": "ppo", "group_size": 1, "batch_size": 9, "micro_batch_size": 0, "num_iterations": 0,
     "micro_batch_tokens": -1, "padding_free": None, "compile": "maybe",
     "dynamic_sampling": None, "max_sample_rounds": 0,
@@ -238,6 +239,7 @@ BAD_VALUES = {  # every config field, with a value it must refuse (the test belo
 }
 CHECKED_ELSEWHERE = {  # fields whose bad values are only known once data, rewards or the machine are consulted
     "data": "a missing file (test_train)", "rewards": "an unknown name (test_train)",
+    "tools": "a missing or untyped tool (test_tools)", "environment": "a missing class or one without reset (test_tools)",
     "condition": "a malformed or unknown condition (test_train)", "skip_bad_rows": "a boolean", "grad_checkpointing": "a boolean",
     "padding_free": "a boolean", "ignore_eos": "a boolean",
     "ref_offload": "a boolean", "resume": "a boolean", "dynamic_sampling": "a boolean",

@@ -271,6 +271,23 @@ def test_lora_runs_on_the_real_engines_own_lora_with_the_trainers_log_probs(path
 
 
 @pytest.mark.slow
+def test_an_agents_first_gradient_with_the_real_engine_is_the_hand_computed_one(tmp_path):
+    """The tool loop on vLLM's CPU engine (token-id prompts for every turn, a budget per prompt): the first step's
+    gradient is the textbook one with the tools' tokens masked (tests/test_tools.py's check)."""
+    import sys
+
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples"))
+    import tiny_agent
+    from test_tools import AGENT, check_gradient
+
+    agent, out = tiny_agent.cached(), str(tmp_path / "step")
+    run(["tests/agent_step.py", out, *AGENT, "--model", agent, "--sampler", "vllm", "--max-steps", "1", "--beta", "0",
+         "--loss-agg", "token_mean", "--max-grad-norm", "0", "--output-dir", str(tmp_path / "run")], timeout=600)
+    check_gradient(agent, out)
+    (row,) = read_jsonl(os.path.join(tmp_path, "run", "metrics.jsonl"))
+    assert row["sampler/logp_gap"] < FP32_GAP and row["tools/call_frequency"] > 0
+
+
 def test_eval_with_the_real_engine_and_a_baseline_streamed_into_it(path, tmp_path):
     out = str(tmp_path / "train")
     run(train_args(path, out, "--max-steps", "1"))
