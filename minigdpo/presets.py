@@ -15,10 +15,10 @@ PRESETS = {
                       vllm_gpu_memory_utilization=0.55),
     # An agent on one 80 GB A100: Qwen2.5-1.5B-Instruct (a template that takes tools) with the calculator task's tool,
     # 4-digit products; economy weighs half (rewards/calculator.py says why).
-    "a100-agent": dict(model="Qwen/Qwen2.5-1.5B-Instruct", task="calculator", tools=["rewards.calculator:calculate"],
-                       reward_weights=[1.0, 1.0, 0.5], arith_difficulty=4, group_size=8, batch_size=256,
-                       max_prompt_len=512, max_new_tokens=512, max_tool_calls=4, micro_batch_tokens=16384,
-                       grad_checkpointing=True, vllm_gpu_memory_utilization=0.35, output_dir="runs/a100-agent"),
+    "a100-agent": dict(task="calculator", tools=["rewards.calculator:calculate"], reward_weights=[1.0, 1.0, 0.5],
+                       arith_difficulty=4, group_size=8, batch_size=256, max_new_tokens=512, max_tool_calls=4,
+                       micro_batch_tokens=16384, grad_checkpointing=True, vllm_gpu_memory_utilization=0.35,
+                       output_dir="runs/a100-agent"),
     # Offline, 2 CPU cores, about 7 minutes: SmolLM2-135M learns arithmetic, then meets its base model on 64 problems.
     "cpu-demo": dict(model="HuggingFaceTB/SmolLM2-135M-Instruct", task="arith", group_size=8, batch_size=32,
                      lr=2e-5, warmup_ratio=0.0, lr_schedule="constant", max_prompt_len=256, max_new_tokens=48,
