@@ -222,7 +222,7 @@ AGENT = ["--preset", "smoke", "--task", "calculator", "--tools", CALC, "--max-ne
 def hand_gradient(lm, sequences, masked=True):
     """The step's gradient by the textbook formula: token_mean over the global batch of -A * log p (ratio 1, beta 0),
     on full sequences, each token counted where `masked` says the model wrote it (else every completion token)."""
-    lm.zero_grad()
+    lm.zero_grad(set_to_none=True)
     tokens = sum(sum(m) if masked else len(m) for _, _, m, _ in sequences)
     for prompt, completion, mask, adv in sequences:
         ids = torch.tensor([prompt + completion])
@@ -230,14 +230,18 @@ def hand_gradient(lm, sequences, masked=True):
         picked = logp.gather(-1, torch.tensor(completion)[:, None])[:, 0]                     # (T,)
         weight = torch.tensor(mask, dtype=torch.float) if masked else torch.ones(len(completion))
         (-(adv * picked * weight).sum() / tokens).backward()
-    return {n: p.grad.clone() for n, p in lm.named_parameters()}
+    return {n: p.grad.clone() for n, p in lm.named_parameters() if p.grad is not None}
 
 
-def check_gradient(path, out, nproc=1):
+def check_gradient(path, out, nproc=1, lora_rank=0):
     seen = [torch.load(os.path.join(out, f"rank{r}.pt")) for r in range(nproc)]
     sequences = [s for part in seen for s in part["sequences"]]
     assert any(0 in m for _, _, m, _ in sequences) and any(0 not in m for _, _, m, _ in sequences)  # tools ran
     lm = models.load_model(path)
+    if lora_rank:  # the same adapters, from the run's seed (42), as peft's layers in the plain model
+        from minigdpo import lora
+
+        lora.attach(lm, lora.Settings(lora_rank, 8.0, 0.0, ("q_proj", "v_proj"), 42), None)
     want, without_mask = hand_gradient(lm, sequences), hand_gradient(lm, sequences, masked=False)
     got = seen[0]["grads"]
     assert set(got) == set(want)
@@ -252,6 +256,32 @@ def test_the_first_gradient_is_the_hand_computed_one_with_the_tools_tokens_maske
     run(["tests/agent_step.py", out, *AGENT, "--model", agent_path, "--max-steps", "1", "--beta", "0", "--loss-agg",
          "token_mean", "--max-grad-norm", "0", "--padding-free", padding_free, "--output-dir", str(tmp_path / "run")])
     check_gradient(agent_path, out)
+
+
+@pytest.mark.parametrize("flags", [["--lora-rank", "4", "--lora-alpha", "8", "--lora-targets", "q_proj,v_proj"],
+                                   ["--compile", "true"]], ids=["lora", "compiled"])
+def test_the_mask_holds_with_lora_and_compiled_layers(agent_path, tmp_path, flags):
+    out = str(tmp_path / "step")
+    run(["tests/agent_step.py", out, *AGENT, "--model", agent_path, "--max-steps", "1", "--beta", "0", "--loss-agg",
+         "token_mean", "--max-grad-norm", "0", "--output-dir", str(tmp_path / "run"), *flags], timeout=600)
+    check_gradient(agent_path, out, lora_rank=4 if "--lora-rank" in flags else 0)
+
+
+def test_a_resumed_agent_run_reaches_the_same_weights(agent_path, tmp_path):
+    """Two steps straight, and one step, a kill's worth of nothing, then --resume for the second: the same weights
+    (the rollouts, their tool calls and masks are made again from the step's seed)."""
+    from safetensors.torch import load_file
+
+    common = [*AGENT, "--model", agent_path, "--lr-schedule", "constant"]  # the schedule's length changes below
+    args = [*common, "--max-steps", "2", "--save-every", "1"]
+    run(["train.py", *args, "--output-dir", str(tmp_path / "straight")])
+    run(["train.py", *common, "--max-steps", "1", "--output-dir", str(tmp_path / "resumed")])
+    run(["train.py", *args, "--output-dir", str(tmp_path / "resumed"), "--resume"])
+    a, b = (load_file(os.path.join(tmp_path, d, "checkpoints", "step_000002", "hf", "model.safetensors"))
+            for d in ("straight", "resumed"))
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    rows = [read_jsonl(os.path.join(tmp_path, d, "metrics.jsonl"))[-1] for d in ("straight", "resumed")]
+    assert rows[0]["tools/calculate/calls"] == rows[1]["tools/calculate/calls"] > 0
 
 
 @pytest.mark.slow
