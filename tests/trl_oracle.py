@@ -150,6 +150,8 @@ def trl_step(work, loss_type, ga):
 class GradCapture:
     """The optimizer update steps: step() keeps the whole gradients instead of moving the weights."""
 
+    defaults = {"fused": True}  # the step skips itself as fused AdamW does (update.skip_if_not_finite): it is never run
+
     def __init__(self, model):
         self.model, self.grads = model, None
 
