@@ -138,14 +138,6 @@ def layer_windows(config):
     return [window if t == "sliding_attention" else None for t in types]
 
 
-def full_attention(config):
-    """Whether every layer attends to every earlier token: no sliding window, no other kind of layer."""
-    try:
-        return not any(layer_windows(config))
-    except ValueError:
-        return False
-
-
 def load_tokenizer(path):
     from transformers import AutoTokenizer
 

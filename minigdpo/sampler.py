@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 import torch
 
 from minigdpo.lora import is_adapter
-from minigdpo.models import full_attention
+from minigdpo.models import layer_windows
 
 
 @dataclass
@@ -153,7 +153,10 @@ class HFSampler:
         # A sliding window counts cache slots, padding included, and transformers keeps only the window's slots of
         # such a layer: those models get no padding between the prompts' shared prefix and their own tokens, and
         # the 2-D mask, which transformers fits to each layer's cache.
-        self.full_attention = full_attention(model.config)
+        try:
+            self.full_attention = not any(layer_windows(model.config))
+        except ValueError:  # a kind of layer layer_windows does not know: no sharing
+            self.full_attention = False
         # With peft's LoRA layers in the model (make_sampler), a sync sends the adapters alone: the base weights
         # stay those of the checkpoint, as the trainer's frozen base does.
         self.adapters_only = hasattr(model, "peft_config")

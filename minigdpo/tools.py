@@ -116,8 +116,7 @@ class Agent:
         self.environments = None  # the last batch's, one per rollout (what rewards get)
         check_template(self, model)
 
-    def tools_of(self, env):
-        """A rollout's callables: --tools and its environment's methods."""
+    def tools_of(self, env):  # a rollout's callables: --tools and its environment's methods
         return self.box.tools + (methods(env) if env is not None else [])
 
     def suffix_ids(self, tool_messages):
@@ -277,15 +276,11 @@ def metrics(counts):
     """A step's tool metrics from every rank's counts (Agent.rollouts): TRL's tools/call_frequency (calls per
     rollout) and tools/failure_frequency (failures per call), the turns per rollout, the tools' and the template's
     share of the tokens after the prompt, and each tool's calls and failures."""
-    if not counts:
-        return {}
-    calls = sum(v for k, v in counts.items() if k.startswith("calls/"))
-    failures = sum(v for k, v in counts.items() if k.startswith("failures/"))
-    rollouts = max(counts["rollouts"], 1)
-    return {"tools/call_frequency": calls / rollouts, "tools/failure_frequency": failures / calls if calls else 0.0,
-            "tools/turns_mean": counts["turns"] / rollouts, "tools/token_frac": counts["tool_tokens"] /
-            max(counts["tokens"], 1)} | {f"tools/{k.split('/', 1)[1]}/{k.split('/')[0]}": v for k, v in counts.items()
-                                         if "/" in k}
+    calls, failures = (sum(v for k, v in counts.items() if k.startswith(f"{kind}/")) for kind in ("calls", "failures"))
+    n = max(counts.get("rollouts", 0), 1)
+    return {"tools/call_frequency": calls / n, "tools/failure_frequency": failures / max(calls, 1), "tools/turns_mean":
+            counts["turns"] / n, "tools/token_frac": counts["tool_tokens"] / max(counts["tokens"], 1)} | {
+        f"tools/{k.split('/', 1)[1]}/{k.split('/')[0]}": v for k, v in counts.items() if "/" in k} if counts else {}
 
 
 def check_template(agent, model):

@@ -34,6 +34,7 @@ runs; the paper's trl-0.18 code has all but dapo):
 The asymmetric clip (`clip_high` > `clip_low`) is DAPO's "clip-higher"; both default to 0.2.
 """
 
+import ctypes
 import math
 import re
 
@@ -149,6 +150,7 @@ def update(model, opt, sched, batches, cfg):
     for it in range(cfg.num_iterations):
         opt.zero_grad(set_to_none=True)
         for i, mb in enumerate(batches):
+            trim_host_heap()
             last = i == len(batches) - 1  # --reduce-grads step: across ranks at the last; micro_batch: at each
             dist.reduce_gradients(model, reduce_scatter=last or cfg.reduce_grads == "micro_batch", all_reduce=last)
             logp, entropy = model(mb, cfg.temperature, cfg.logprob_chunk, entropy=True)  # (N, T) each
@@ -189,6 +191,13 @@ def optimizer(model, lr, weight_decay):
     groups = [{"params": ps, "weight_decay": wd} for ps, wd in ((decay, weight_decay), (no_decay, 0.0)) if ps]
     # fused: one kernel per step, no foreach temporaries the size of the model
     return torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.999), eps=1e-8, fused=True)
+
+
+def trim_host_heap(libc=ctypes.CDLL(None)):
+    """Give glibc's free heap back to the system (malloc_trim) before a pass: a micro-batch's freed temporaries stay in
+    a heap whose holes the next one's do not fit, and on the CPU the update's peak memory grew by that. Trimmed before
+    each micro-batch, it fell from 8.4 to 7.3 GB at the same speed (docs/performance.md). Nothing without glibc."""
+    getattr(libc, "malloc_trim", lambda pad: None)(0)
 
 
 def skip_if_not_finite(opt, grad_norm):
