@@ -109,12 +109,6 @@ def new_sampler(path, args):
     return sampler, tokenizer
 
 
-def same_shape(a, b):
-    """Whether the models at a and b have the same tensors (names and shapes) and the same vocabulary."""
-    shapes = [{name: t.shape for name, t in models.empty_model(p, torch.float32).state_dict().items()} for p in (a, b)]
-    return shapes[0] == shapes[1] and models.load_tokenizer(a).get_vocab() == models.load_tokenizer(b).get_vocab()
-
-
 def swap_in(sampler, tokenizer, source, path, args, kind):
     """(sampler, tokenizer) for the model at `path`, after `sampler` served the model at `source`: the same
     sampler with `path`'s weights streamed in when the two share their shapes and vocabulary, else a new
@@ -123,7 +117,9 @@ def swap_in(sampler, tokenizer, source, path, args, kind):
     if getattr(sampler, "adapters_only", False) and path == source:  # a LoRA run's sampler holds its base: adapters off
         sampler.adapters_off()
         return sampler, tokenizer
-    if same_shape(source, path):
+    shapes = [{name: t.shape for name, t in models.empty_model(p, torch.float32).state_dict().items()}
+              for p in (source, path)]  # the same tensors (names and shapes), and below the same vocabulary
+    if shapes[0] == shapes[1] and models.load_tokenizer(source).get_vocab() == models.load_tokenizer(path).get_vocab():
         sampler.load_weights(models.checkpoint_tensors(path))  # each sampler casts to its own dtype
         return sampler, tokenizer
     if kind == "vllm":

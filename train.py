@@ -353,16 +353,15 @@ def start_end_table(first, last, names):
     """Reward means at the first step of this run (sampled before any update) and over the last steps."""
     if not first:
         return ""
-    last = list(last)
+    last, w = list(last), max([14] + [len(n) for n in names])  # names as wide as the longest, module:function ones too
 
     def avg(rows, key):
         values = [r[key] for r in rows if r.get(key) is not None]
         return sum(values) / len(values) if values else float("nan")
 
-    lines = [f"{'reward':<14} {'start':>8} {'end':>8}   (step {first['step']} vs mean of steps "
-             f"{last[0]['step']}-{last[-1]['step']})"]
-    lines += [f"{n:<14} {avg([first], f'reward/{n}/mean'):>8.3f} {avg(last, f'reward/{n}/mean'):>8.3f}" for n in names]
-    return "\n".join(lines)
+    rows = [(n, avg([first], f"reward/{n}/mean"), avg(last, f"reward/{n}/mean")) for n in names]
+    return "\n".join([f"{'reward':<{w}} {'start':>8} {'end':>8}   (step {first['step']} vs mean of steps "
+                      f"{last[0]['step']}-{last[-1]['step']})"] + [f"{n:<{w}} {a:>8.3f} {b:>8.3f}" for n, a, b in rows])
 
 
 def main(argv=None):

@@ -165,11 +165,13 @@ class HFSampler:
         self.pad_id = pad_id
         self.device = device
         self.tokenizer = tokenizer
-        self.offloaded = False
+        self.offloaded, self.discarded, self.shapes = False, False, {}  # sleep(): moved off the accelerator, or dropped
         self.sync_every = sync_every(device)  # decode steps between host checks for "every row stopped"
 
     @torch.no_grad()
     def generate(self, prompts, n, params):
+        if self.discarded:  # it would sample from empty weights
+            raise WeightSyncError("generate() after sleep() dropped the weights, with no load_weights() since")
         self.wake()  # back on the accelerator if sleep() moved it off and no weight sync brought it back
         B, T = len(prompts), params.max_new_tokens
         limits = torch.tensor(T if isinstance(T, list) else [T] * B, device=self.device).repeat_interleave(n)  # (N,)
@@ -261,9 +263,10 @@ class HFSampler:
                 raise WeightSyncError(f"weight sync sent {name!r}, which the sampler's model does not have")
             sent.append(name)
             p = params[name]
-            if self.offloaded:  # asleep: the new weights go straight to the device, not through the host copy
-                p.data = torch.empty_like(p, device=self.device)
+            if self.offloaded or self.discarded:  # asleep: the new weights go straight to the device
+                p.data = torch.empty(self.shapes.get(name, p.shape), dtype=p.dtype, device=self.device)
             p.data.copy_(tensor.to(p.device, p.dtype))
+        self.discarded = False
         if self.offloaded:  # the rest (buffers) follows, and wake() has no whole-model copy left to make
             self.model.to(self.device)
             self.offloaded = False
@@ -276,8 +279,15 @@ class HFSampler:
                 m.enable_adapters(False)
 
     def sleep(self):
-        """Move the inference copy off the accelerator while the trainer needs the memory."""
-        if self.device.type == "cuda" and not self.offloaded:
+        """Free the inference copy's memory while the trainer needs it: sleep() comes only where a weight sync follows,
+        which rewrites every weight, so they go (as vLLM's level-2 sleep: on the CPU too, where the update's peak
+        counts them). Under LoRA a sync sends the adapters alone: the copy moves off the accelerator instead."""
+        if not self.adapters_only and not self.discarded:
+            self.shapes = {n: p.shape for n, p in self.model.named_parameters()}
+            for p in self.model.parameters():
+                p.data = torch.empty(0, dtype=p.dtype, device=p.device)
+            self.discarded = True
+        elif self.adapters_only and self.device.type == "cuda" and not self.offloaded:
             self.model.to("cpu")
             torch.cuda.empty_cache()
             self.offloaded = True

@@ -50,12 +50,13 @@ def load(spec, what):
         raise ConfigError(f"{what} {spec!r}: cannot load it ({e})") from None
 
 
-def check_tool(fn, name):
-    """ConfigError naming the tool and what it lacks, where transformers cannot write its schema."""
+def schema(fn, name):
+    """transformers' JSON schema of a tool, what the chat template renders; ConfigError naming the tool and what it
+    lacks where there is none."""
     from transformers.utils import get_json_schema
 
     try:
-        get_json_schema(fn)
+        return get_json_schema(fn)
     except Exception as e:  # DocstringParsingException, TypeHintParsingException
         raise ConfigError(f"tool {name}: {str(e).splitlines()[0]} (a tool needs type hints and a Google-style "
                           "docstring with an Args: section)") from None
@@ -72,22 +73,17 @@ class Toolbox:
     template renders), and the environments' pool."""
 
     def __init__(self, tools, environment=""):
-        from transformers.utils import get_json_schema
-
         self.tools = [load(spec, "--tools") for spec in tools]
-        for spec, fn in zip(tools, self.tools):
-            check_tool(fn, spec)
-        self.factory, self.pool, self.reward_name, found = None, [], "", list(self.tools)
+        self.schemas = [schema(fn, spec) for spec, fn in zip(tools, self.tools)]  # every rollout's: one class of env
+        self.factory, self.pool, self.reward_name = None, [], ""
         if environment:
             self.factory = load(environment, "--environment")
-            probe = self.factory()
+            probe = self.factory()  # the pool's first instance
+            name, self.pool = type(probe).__name__, [probe]
             if not callable(getattr(probe, "reset", None)):
-                raise ConfigError(f"--environment {environment}: {type(probe).__name__} has no reset(**row) method")
-            for fn in methods(probe):
-                check_tool(fn, f"{environment}.{fn.__name__}")
-            self.pool, found = [probe], found + methods(probe)  # the probe is the first instance
-            self.reward_name = type(probe).__name__ if callable(getattr(probe, "get_reward", None)) else ""
-        self.schemas = [get_json_schema(fn) for fn in found]  # every rollout's: its environment's class is one
+                raise ConfigError(f"--environment {environment}: {name} has no reset(**row) method")
+            self.schemas += [schema(fn, f"{environment}.{fn.__name__}") for fn in methods(probe)]
+            self.reward_name = name if callable(getattr(probe, "get_reward", None)) else ""
 
     def environments(self, n):
         """n instances, made once and reused: one per concurrent rollout (TRL's pool)."""

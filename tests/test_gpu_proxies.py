@@ -130,16 +130,27 @@ def test_hf_sampler_loads_weights_asleep_straight_onto_its_device():
         torch.testing.assert_close(t, new[{"lm_head.weight": "model.embed_tokens.weight"}.get(name, name)], rtol=0, atol=0)
 
 
-def test_hf_sampler_generates_on_its_device_after_a_sleep_with_no_sync():
-    """sleep() moves the inference copy to the host on an accelerator; a step that then skips its update (no
-    load_weights) must still generate on the device: generate() wakes it. On the CPU, offloaded is set by hand."""
-    from minigdpo.sampler import HFSampler, SamplingParams
+def test_hf_sampler_drops_its_weights_asleep_and_refuses_to_generate_until_a_sync():
+    """sleep() comes only where a weight sync follows, which rewrites every weight: they go (the memory counts in the
+    update's peak, on the CPU too), as vLLM's level-2 sleep; generate() refuses until a sync brings them back. A LoRA
+    sampler's copy moves to the host instead (a sync sends only the adapters): generate() wakes it, on its device
+    (offloaded set by hand on the CPU)."""
+    from minigdpo.sampler import HFSampler, SamplingParams, WeightSyncError
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    sampler = HFSampler(models.load_model(models.resolve_model("tiny-random")), [256], 257, device)
+    path = models.resolve_model("tiny-random")
+    sampler = HFSampler(models.load_model(path), [256], 257, device)
+    params = SamplingParams(temperature=1.0, max_new_tokens=4, seed=1)
+    want = sampler.generate([[10, 11, 12]], 2, params)
     sampler.sleep()
-    sampler.offloaded = True  # what sleep() sets on an accelerator
-    out = sampler.generate([[10, 11, 12]], 2, SamplingParams(temperature=1.0, max_new_tokens=4, seed=1))
+    sampler.sleep()  # train.py may sleep twice before the sync
+    assert sum(p.numel() for p in sampler.model.parameters()) == 0
+    with pytest.raises(WeightSyncError, match="after sleep"):
+        sampler.generate([[10, 11, 12]], 2, params)
+    sampler.load_weights((k, v) for k, v in models.load_model(path).state_dict().items() if k != "lm_head.weight")
+    assert [c.token_ids for c in sampler.generate([[10, 11, 12]], 2, params)[0]] == [c.token_ids for c in want[0]]
+    sampler.adapters_only, sampler.offloaded = True, True  # what sleep() sets for a LoRA sampler on an accelerator
+    out = sampler.generate([[10, 11, 12]], 2, params)
     assert len(out[0]) == 2 and not sampler.offloaded
     assert next(sampler.model.parameters()).device.type == device.type
 
