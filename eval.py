@@ -215,7 +215,8 @@ def parse_args(argv=None):
     args.runs = {args.model: run_config, args.baseline: baseline_config}  # each model's trainer_state (evaluate)
     source, run_config = (args.model, run_config) if run_config is not None else (args.baseline, baseline_config)
     explicit = [k for k in RUN_SETTINGS if getattr(args, k) is not None]
-    taken = fill_settings(args, run_config)
+    agentless = ("tools", "environment", "max_tool_calls")  # said only where the run had an agent
+    taken = [k for k in fill_settings(args, run_config) if getattr(args, k) or k not in agentless]
     if taken:
         given = "; from the command line: " + " ".join(f"{k}={getattr(args, k)}" for k in explicit) if explicit else ""
         dist.print0(f"settings from the run of {source}: " + " ".join(f"{k}={getattr(args, k)}" for k in taken) + given)
@@ -293,7 +294,7 @@ def after_training(cfg, sampler, tokenizer):
         return None
     dist.print0(f"\nfinal evaluation: held-out {cfg.task} problems, the trained model against {cfg.model}")
     argv = ["--model", last, "--baseline", cfg.model, "--limit", str(cfg.final_eval), "--sampler", cfg.sampler,
-            "--output", os.path.join(cfg.output_dir, "final_eval")]
+            "--output", os.path.join(cfg.output_dir, "final_eval"), "--batch-size", str(min(cfg.final_eval, 64))]
     return main(argv, sampler, tokenizer, source=models.resolve_model(cfg.model))
 
 

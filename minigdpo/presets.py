@@ -19,10 +19,10 @@ PRESETS = {
                        arith_difficulty=4, group_size=8, batch_size=256, max_new_tokens=512, max_tool_calls=4,
                        micro_batch_tokens=16384, grad_checkpointing=True, vllm_gpu_memory_utilization=0.35,
                        output_dir="runs/a100-agent"),
-    # Offline, 2 CPU cores, about 7 minutes: SmolLM2-135M learns arithmetic, then meets its base model on 64 problems.
+    # Offline, 2 CPU cores: SmolLM2-135M learns arithmetic in 8 steps (beta 0: no reference), then meets its base.
     "cpu-demo": dict(model="HuggingFaceTB/SmolLM2-135M-Instruct", task="arith", group_size=8, batch_size=32,
                      lr=2e-5, warmup_ratio=0.0, lr_schedule="constant", max_prompt_len=256, max_new_tokens=48,
-                     max_steps=12, temperature=0.7, arith_difficulty=1, save_every=0, samples_every=4,
+                     max_steps=8, beta=0.0, temperature=0.7, arith_difficulty=1, save_every=0, samples_every=4,
                      output_dir="runs/cpu-demo", sampler="hf", final_eval=64),
     # A tiny random model for tests and smoke runs.
     "smoke": dict(model="tiny-random", task="arith", group_size=4, batch_size=8, micro_batch_size=4, lr=1e-3,

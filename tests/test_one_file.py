@@ -97,7 +97,8 @@ def train_py_steps(path, steps, estimator, condition, agg, size, pack, device):
     """train.py's path at the cpu-demo preset's values, one update per step: conditions and estimator, micro-batches,
     the fast pass, the reference's pass, FSDP2 on one rank, its own optimizer and schedule."""
     cfg = Config(**{**config.PRESETS["cpu-demo"], "estimator": estimator, "condition": [condition] if condition else [],
-                    "loss_agg": agg, "micro_batch_size": size, "padding_free": pack})
+                    "loss_agg": agg, "micro_batch_size": size, "padding_free": pack,
+                    "beta": 0.04})  # the one-file's KL weight (the demo's is 0): the binding covers the KL term too
     model = policy.build(path, device, torch.float32)
     ref = policy.build(path, device, torch.float32, frozen=True)
     opt = optimizer(model, cfg.lr, cfg.weight_decay)
