@@ -82,7 +82,7 @@ def measure(rev, work):
     out["final evaluation"] = summary["model"]["seconds"] + summary["baseline"]["seconds"]
     out["held-out accuracy"] = {k: summary[k]["accuracy"] for k in ("baseline", "model")} | {
         "diff": summary["difference"]["accuracy"]}
-    out["start and end"] = log[log.index("reward            start"):].split("\n\nfinal")[0] if "start" in log else ""
+    out["printed"] = log[log.index("reward            start"):] if "reward            start" in log else ""
     out["command 1 in all"] = sum(installs.values()) + out["venv"] + out["conversion"] + seconds
     return out
 
