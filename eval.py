@@ -21,7 +21,7 @@ OUT/completions.jsonl (and completions_baseline.jsonl), the figures to OUT/summa
 
   # The CPU demo's checkpoint against the model it started from, on 128 held-out problems
   # (train.py --preset cpu-demo runs this at its end, on 64): task and lengths come from the checkpoint
-  python eval.py --model runs/cpu-demo/checkpoints/step_000012/hf --baseline HuggingFaceTB/SmolLM2-135M-Instruct \
+  python eval.py --model runs/cpu-demo/checkpoints/step_000008/hf --baseline HuggingFaceTB/SmolLM2-135M-Instruct \
       --limit 128
   python eval.py --model runs/gdpo/checkpoints/step_000050/hf --task gsm8k --data ../shared/data/gsm8k/test.jsonl
   python eval.py --model Qwen/Qwen2.5-1.5B-Instruct --task gsm8k --n 8 --temperature 0.7   # pass@1..8

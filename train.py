@@ -23,7 +23,7 @@ The update's throughput in metrics.jsonl counts real tokens only, never padding,
 12 x layers x hidden per causal (query, key) pair to 6 x parameters per token (docs/outputs.md).
 
 Launch:
-  python train.py --preset cpu-demo                          # offline CPU demo, about 7 min on 2 cores
+  python train.py --preset cpu-demo                          # offline CPU demo, about 3 min on 2 cores
   python train.py --preset a100 --estimator gdpo             # one 80 GB A100 (a100-lora: Qwen2.5-7B with LoRA)
   torchrun --nproc_per_node 8 train.py --estimator gdpo      # the paper's recipe on 8 GPUs
   torchrun --nnodes 2 --nproc_per_node 8 --rdzv_endpoint HOST:29500 train.py --estimator gdpo --output-dir /shared/run

@@ -3,7 +3,7 @@
     python benchmarks/lora_cpu.py                    # SmolLM2-135M-Instruct, --preset cpu-demo, rank 16
     python benchmarks/lora_cpu.py --rank 8 --reps 3
 
-Both sides run train.py's --preset cpu-demo (B=4 prompts x G=8, 48 new tokens, beta 0.04, so the
+Both sides run train.py's --preset cpu-demo (B=4 prompts x G=8, 48 new tokens) with beta 0.04 (so the
 reference pass runs) for --steps steps, each in its own process, alternating --reps times. Reported:
 the trainable and total parameter counts train.py prints, the process's peak resident memory, and
 the median of each timed phase over the steps after the first (warm-up). Sampling dominates a CPU step
@@ -35,8 +35,8 @@ def child(args):
     from minigdpo.plot import read_run
 
     out = tempfile.mkdtemp(prefix="bench-lora-")
-    argv = ["--preset", "cpu-demo", "--max-steps", str(args.steps), "--final-eval", "0", "--samples-every", "0",
-            "--output-dir", out] + (["--lora-rank", str(args.child_rank)] if args.child_rank else [])
+    argv = ["--preset", "cpu-demo", "--beta", "0.04", "--max-steps", str(args.steps), "--final-eval", "0",
+            "--samples-every", "0", "--output-dir", out] + (["--lora-rank", str(args.child_rank)] if args.child_rank else [])
     printed = io.StringIO()
     with contextlib.redirect_stdout(printed):
         train.main(argv)

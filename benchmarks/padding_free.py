@@ -56,7 +56,7 @@ def demo_workload(path):
     from minigdpo.vllm_sampler import make_sampler
     from rewards import PromptOrder, RewardScorer, load_task
 
-    cfg = parse_args(["--preset", "cpu-demo"])
+    cfg = parse_args(["--preset", "cpu-demo", "--beta", "0.04"])
     task = load_task(cfg.task, cfg.data, "train", False, {"arith_difficulty": cfg.arith_difficulty})
     sizes = resolve(cfg, 1, len(task.examples), (1,))
     tokenizer = models.load_tokenizer(path)

@@ -4,7 +4,8 @@
     python benchmarks/samplers.py --steps 6 --samplers hf,vllm,hf
 
 Each sampler trains the cpu-demo recipe (SmolLM2-135M-Instruct, 4 prompts x 8 samples, 48 new tokens,
-T=0.7) for --steps steps from the same start, one train.py after the other, their output captured; the
+T=0.7; beta 0.04, as docs/results.md's figures were measured) for --steps steps from the same start, one
+train.py after the other, their output captured; the
 table gives the median over every step but the first (warm-up). --sampler vllm needs vLLM: the CPU
 build here (tests/test_vllm_real.py says how to install it). Any other train.py flag passes through.
 """
@@ -37,7 +38,7 @@ def main(argv=None):
         out = tempfile.mkdtemp(prefix=f"bench-sampler-{kind}-")
         cmd = [sys.executable, os.path.join(ROOT, "train.py"), "--preset", args.preset, "--sampler", kind,
                "--max-steps", str(args.steps), "--no-final-eval", "--save-every", "0", "--samples-every", "0",
-               "--output-dir", out] + train_args
+               "--beta", "0.04", "--output-dir", out] + train_args
         t0 = time.perf_counter()
         proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
         if proc.returncode:

@@ -20,10 +20,10 @@ One training step:
 This is the algorithm train.py runs, not a sketch of it: tests/test_one_file.py gives this file and train.py's
 path (micro-batches, the shared-prefix and padding-free passes, the chunked head, FSDP2) the same prompts,
 completions and rewards for three steps, each side with its own optimizer and defaults (this file's Args and
-train.py's cpu-demo preset), and checks that they compute the same advantages, loss, KL and gradients, and take the
-same optimizer steps. Where they differ on purpose: this file averages the loss over all of a batch's tokens,
-which train.py does with --loss-agg token_mean (its default bnpo, the paper's, weighs each micro-batch alike, the
-same only with one micro-batch); a reward that does not apply counts as 0 here, where train.py's GDPO leaves it out
+train.py's cpu-demo preset, there with this file's beta 0.04 where the demo's is 0), and checks that they compute
+the same advantages, loss, KL and gradients, and take the same optimizer steps. Where they differ on purpose:
+this file averages the loss over all of a batch's tokens, which train.py does with --loss-agg token_mean (its
+default bnpo, the paper's, weighs each micro-batch alike, the same only with one micro-batch); a reward that does not apply counts as 0 here, where train.py's GDPO leaves it out
 of its group's statistics (under GRPO both add it as 0); and there is no learning-rate schedule here. README.md
 ("Reading the code") says where each system train.py adds lives, and why.
 

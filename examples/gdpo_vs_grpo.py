@@ -67,7 +67,7 @@ PLOT = os.path.join(ROOT, "docs", "results", "gdpo_vs_grpo.png")
 REMEDIES_PLOT = os.path.join(ROOT, "docs", "results", "gdpo_vs_grpo_remedies.png")
 STEPS = 8
 HELDOUT = 128
-RECIPE = f"--preset cpu-demo --sampler vllm --max-steps {STEPS} --no-final-eval"
+RECIPE = f"--preset cpu-demo --beta 0.04 --sampler vllm --max-steps {STEPS} --no-final-eval"  # the demo's is 0
 SETTINGS = {  # name: (extra train.py flags, the rewards eval.py scores)
     "arith": ("", "correct,integer,format"),
     "arith_length": ("--rewards correct,integer,format,length_ok --length-limit 22", "correct,integer,format,length_ok"),
