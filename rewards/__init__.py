@@ -80,14 +80,24 @@ def load_task(name, data="", split="train", skip_bad=False, data_options=None, r
     return Task(name, [{**ex, **reward_options} for ex in examples], list(task.REWARDS), skipped, reward_options)
 
 
+TOOL_CUT_SAID = False  # a prompt whose tools' schemas the cut can reach is said once per process
+
+
 def encode_prompt(tokenizer, messages, max_len, tools=None):
     """Chat template with the generation prompt (and the tools' schemas, an agent's), cut from the left to max_len
     tokens; a string (TRL's standard prompt, rewards/prompts.py) is tokenized as it is, with the tokenizer's own
-    special tokens, as TRL does."""
+    special tokens, as TRL does. Templates put the schemas early (Qwen's in the system message), where the cut
+    starts: an agent's prompt that is cut says so, once."""
+    global TOOL_CUT_SAID
     if isinstance(messages, str):
         return tokenizer(messages).input_ids[-max_len:]
     text = tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=False)
-    return tokenizer(text, add_special_tokens=False).input_ids[-max_len:]
+    ids = tokenizer(text, add_special_tokens=False).input_ids
+    if tools and len(ids) > max_len and not TOOL_CUT_SAID:
+        TOOL_CUT_SAID = True
+        print(f"warning: a prompt with the tools' schemas takes {len(ids)} tokens and --max-prompt-len {max_len} cuts "
+              "it from the left, where the schemas may be: raise --max-prompt-len (shown once)", file=sys.stderr)
+    return ids[-max_len:]
 
 
 class PromptOrder:

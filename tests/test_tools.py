@@ -125,6 +125,25 @@ def test_trls_own_tool_loop_and_ours_give_the_same_tokens_and_mask(qwen_tokenize
         assert counts["calls/calculate"] == 4 and counts["failures/calculate"] == 1 and counts["failures/broken"] == 1
 
 
+def test_a_prompt_whose_tool_schemas_the_prompt_budget_cuts_says_so_once(qwen_tokenizer, capsys, monkeypatch):
+    """Qwen's template puts the tools' schemas first: a prompt cut from the left to --max-prompt-len loses them
+    before anything else, and the agent never sees its tools. That is said once, in one line."""
+    import rewards
+
+    monkeypatch.setattr(rewards, "TOOL_CUT_SAID", False, raising=False)
+    schemas = [tools.Toolbox([CALC], "").schemas[0]]
+    messages = [{"role": "user", "content": "What is 2+3?"}]
+    whole = len(rewards.encode_prompt(qwen_tokenizer, messages, 10**6, schemas))
+    assert len(rewards.encode_prompt(qwen_tokenizer, messages, whole, schemas)) == whole
+    assert capsys.readouterr().err == ""  # a prompt that fits says nothing
+    for _ in range(2):
+        assert len(rewards.encode_prompt(qwen_tokenizer, messages, whole - 1, schemas)) == whole - 1
+    said = capsys.readouterr().err.strip().split("\n")
+    assert len(said) == 1 and f"{whole} tokens" in said[0] and "--max-prompt-len" in said[0], said
+    rewards.encode_prompt(qwen_tokenizer, [{"role": "user", "content": "x" * 100}], 20)  # no tools: as before
+    assert capsys.readouterr().err == ""
+
+
 # The loop's own rules, on the offline tiny agent's tokenizer (no response_template: <tool_call>{json}</tool_call>)
 
 @pytest.fixture(scope="module")
