@@ -42,6 +42,7 @@ from transformers import TrainerState
 
 from minigdpo import checkpoint, data, dist, lora, models, tools
 from minigdpo.config import Config
+from minigdpo.rollout import add_counts
 from minigdpo.sampler import SamplingParams
 from minigdpo.vllm_sampler import SamplerUnavailable, make_sampler, resolve_kind
 from minigdpo.figures import RESAMPLES, TASK_METRICS, compare, comparison_table, pass_at_k, paired_bootstrap, \
@@ -135,7 +136,7 @@ def evaluate(sampler, tokenizer, label, args, examples, names, out_file):
     gathers them, summarises and writes. Returns (summary, prompt_stats) on rank 0, None elsewhere."""
     box = args.toolbox  # an agent's tools: the same loop as in training (minigdpo/tools.py)
     agent = box and tools.Agent(box, tokenizer, args.max_tool_calls, label, args.max_prompt_len + args.max_new_tokens)
-    scorer = RewardScorer(names, own={box.reward_name: box.reward()} if box and box.reward_name else {})
+    scorer = RewardScorer(names, own=box.own if box else {})
     if examples:
         scorer.check_conversation(examples[0]["messages"])
     run = args.runs.get(label) or {}  # a checkpoint's optimizer steps, as its run's TRL-style rewards saw them
@@ -145,20 +146,19 @@ def evaluate(sampler, tokenizer, label, args, examples, names, out_file):
     per_rank = -(-len(examples) // dist.world_size())
     first = dist.rank() * per_rank
     mine = examples[first:first + per_rank]
-    rows, all_rewards, lengths, truncated, failures, counts = [], [], [], [], {}, {}
+    rows, all_rewards, lengths, truncated, failures, counts = [], [], [], [], {}, []
     t0 = time.perf_counter()
     for s in range(0, len(mine), args.batch_size):
         batch = mine[s:s + args.batch_size]
         if agent:
             _, groups, more = agent.rollouts(batch, args.n, params, sampler, args.max_prompt_len, {})
-            counts = {k: counts.get(k, 0) + more.get(k, 0) for k in counts | more}
+            counts.append(more)
         else:
             groups = sampler.generate([encode_prompt(tokenizer, ex["messages"], args.max_prompt_len) for ex in batch],
                                       args.n, params)
         completions = [c for group in groups for c in group]
-        rewards, stats = scorer([c.text for c in completions], [ex for ex in batch for _ in range(args.n)],
-                                [c.written for c in completions], [c.token_ids[c.prompt_tokens:] for c in completions],
-                                *(([c.messages for c in completions], agent.environments) if agent else ()))
+        rewards, stats = scorer.score(completions, [ex for ex in batch for _ in range(args.n)],
+                                      agent and agent.environments)  # (b * n, R)
         failures = RewardScorer.merge([failures, stats])
         for i, c in enumerate(completions):
             rows.append({"prompt_index": first + s + i // args.n, "sample": i % args.n, "completion": c.text,
@@ -178,7 +178,7 @@ def evaluate(sampler, tokenizer, label, args, examples, names, out_file):
         f.writelines(json.dumps(row) + "\n" for part in parts for row in part[0])
     cat = [torch.cat([t for part in parts for t in part[k]]) for k in (1, 2, 3)]
     figures = (args.task, names, *cat, args.n)
-    counts = {k: sum(part[5].get(k, 0) for part in parts) for part in parts for k in part[5]}
+    counts = add_counts(c for part in parts for c in part[5])  # the tool loop's, every batch's of every rank's
     summary = summarise(*figures) | tools.metrics(counts) | {"seconds": time.perf_counter() - t0, "model": label}
     return summary, prompt_stats(*figures)
 
@@ -240,8 +240,7 @@ def main(argv=None, sampler=None, tokenizer=None, source=None):
                      reward_options)
     examples = task.examples[:args.limit] if args.limit else task.examples
     args.toolbox = tools.Toolbox(args.tools, args.environment) if args.tools or args.environment else None
-    names = ([r for r in args.rewards.split(",") if r] or task.rewards) + \
-        ([args.toolbox.reward_name] if args.toolbox and args.toolbox.reward_name else [])
+    names = ([r for r in args.rewards.split(",") if r] or task.rewards) + list(args.toolbox.own if args.toolbox else {})
     out_dir = args.output or os.path.join("runs", "eval", args.task)
     if dist.is_main():
         os.makedirs(out_dir, exist_ok=True)

@@ -250,7 +250,8 @@ def check_fast_pass(model, ref, groups, cfg, pad_id, device, dtype, log):
 def rewards_setup(cfg, task, toolbox=None):
     """Reward names (an environment's get_reward last, named after its class), conditions, weights and scorer; any
     bad name or count is a ConfigError."""
-    names = (cfg.rewards or task.rewards) + ([toolbox.reward_name] if toolbox and toolbox.reward_name else [])
+    own = toolbox.own if toolbox else {}  # an environment's get_reward, a reward of the run's own
+    names = (cfg.rewards or task.rewards) + list(own)
     try:
         if toolbox and not isinstance(task.examples[0]["messages"], list):
             raise ValueError("--tools and --environment need conversational prompts: the chat template writes tools")
@@ -263,7 +264,6 @@ def rewards_setup(cfg, task, toolbox=None):
         for flag, values in (("--reward-weights", cfg.reward_weights), ("--saw-shift", cfg.saw_shift)):
             if values and len(values) != len(names):
                 raise ValueError(f"{flag} has {len(values)} values for {len(names)} rewards {names}")
-        own = {toolbox.reward_name: toolbox.reward()} if toolbox and toolbox.reward_name else {}
         scorer = RewardScorer(names, timeout=cfg.reward_timeout, own=own)
         scorer.check_conversation(task.examples[0]["messages"])  # a reward model's template must write the task's
     except ValueError as e:

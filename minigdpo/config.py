@@ -348,7 +348,7 @@ def validate_lora(cfg):
     _check(cfg.lora_rank >= 0, f"--lora-rank must be >= 1 (or 0 for full fine-tuning), got {cfg.lora_rank}")
     if cfg.lora_rank == 0:
         defaults = Config()
-        given = [f"--{n.replace('_', '-')}" for n in ("lora_alpha", "lora_dropout", "lora_targets", "merge_on_save")
+        given = [f"--{flag(n)}" for n in ("lora_alpha", "lora_dropout", "lora_targets", "merge_on_save")
                  if getattr(cfg, n) != getattr(defaults, n)]
         _check(not given, f"{', '.join(given)} {'needs' if len(given) == 1 else 'need'} --lora-rank R >= 1 (0: off)")
         return

@@ -14,7 +14,7 @@ import torch
 from minigdpo import dist
 from minigdpo.advantages import apply_conditions
 from minigdpo.estimators import REGISTRY, informative_groups
-from minigdpo.rollout import Rollout, rollout, step_prompts
+from minigdpo.rollout import Rollout, add_counts, rollout, step_prompts
 from rewards import RewardScorer
 
 
@@ -57,4 +57,4 @@ def sample(step, cursor, order, task, tokenizer, sampler, scorer, cfg, sizes, na
     return Rollout([p for p, _ in mine], [c for _, c in mine], pick("rewards"), pick("lengths"),
                    torch.cat([r.rewards for r in rounds]).cpu(), torch.cat([r.lengths for r in rounds]),
                    torch.cat([r.truncated for r in rounds]), failures, stats,
-                   {k: sum(r.tools.get(k, 0) for r in rounds) for r in rounds for k in r.tools}), cursor
+                   add_counts(r.tools for r in rounds)), cursor

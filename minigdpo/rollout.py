@@ -26,6 +26,13 @@ def timed(seconds, name):
     seconds[name] = seconds.get(name, 0.0) + time.perf_counter() - t0
 
 
+def add_counts(parts):
+    """Count dicts added key by key, zeros kept, keys in their first order (the tool loop's: over rollouts, rounds,
+    batches and ranks)."""
+    parts = list(parts)
+    return {k: sum(part.get(k, 0) for part in parts) for k in dict.fromkeys(k for part in parts for k in part)}
+
+
 @dataclass
 class Rollout:
     """A step's groups: this rank's prompts and completions, every rank's rewards (what the step trains on), and
@@ -39,7 +46,7 @@ class Rollout:
     truncated: torch.Tensor    # (groups sampled * G,) 1 where a completion ran to max_new_tokens
     failures: list             # every rank's scorer failures, {reward: {kind: n}}
     stats: dict = field(default_factory=dict)  # sampling/... (dynamic sampling's rounds)
-    tools: dict = field(default_factory=dict)  # the tool loop's counts, every rank's summed (tool_metrics)
+    tools: dict = field(default_factory=dict)  # the tool loop's counts, every rank's summed (tools.metrics)
 
 
 def trainer_state(step, cursor, cfg, sizes, num_prompts):
@@ -79,11 +86,8 @@ def rollout(examples, seed, tokenizer, sampler, scorer, cfg, seconds, sleep=Fals
     if sleep:
         sampler.sleep()
     flat = [c for group in groups for c in group]
-    with timed(seconds, "reward"):  # a rollout's tokens after its own prompt; the lengths of what the model wrote
-        scores, failures = scorer([c.text for c in flat], [ex for ex in examples for _ in range(G)],
-                                  [c.written for c in flat], [c.token_ids[c.prompt_tokens:] for c in flat],
-                                  *((None, None) if agent is None else ([c.messages for c in flat],
-                                                                        agent.environments)))  # (n * G, R)
+    with timed(seconds, "reward"):
+        scores, failures = scorer.score(flat, [ex for ex in examples for _ in range(G)], agent and agent.environments)
     for i, c in enumerate(flat):  # log_extra's values travel with their completion (dynamic sampling moves groups)
         c.extra = {column: values[i] for column, values in scorer.extra.items() if i < len(values)}
     rewards = dist.all_gather(scores).view(-1, G, scores.shape[1]).double()          # (B, G, R)
@@ -92,5 +96,5 @@ def rollout(examples, seed, tokenizer, sampler, scorer, cfg, seconds, sleep=Fals
     gathered = dist.all_gather_object((failures, counts))  # with the tool loop's counts (Agent.rollouts)
     failures = [RewardScorer.merge([f]) for f, _ in gathered]
     RewardScorer.check(RewardScorer.merge(failures))  # a reward that broke its contract on any rank: every rank stops
-    tools = {k: sum(c.get(k, 0) for _, c in gathered) for k in dict.fromkeys(k for _, c in gathered for k in c)}
-    return Rollout(prompts, groups, rewards, lengths, rewards.cpu(), lengths, truncated, failures, tools=tools)
+    return Rollout(prompts, groups, rewards, lengths, rewards.cpu(), lengths, truncated, failures,
+                   tools=add_counts(c for _, c in gathered))

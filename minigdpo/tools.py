@@ -33,7 +33,7 @@ import re
 from concurrent.futures import ThreadPoolExecutor
 
 from minigdpo.config import ConfigError
-from minigdpo.rollout import timed
+from minigdpo.rollout import add_counts, timed
 from minigdpo.sampler import Completion, SamplingParams, common_prefix
 from rewards import encode_prompt
 from rewards.trl_style import EventLoop, columns
@@ -70,12 +70,13 @@ def methods(env):
 
 class Toolbox:
     """What --tools and --environment load, checked before any model: the tools, their schemas (what the chat
-    template renders), and the environments' pool."""
+    template renders), the environments' pool, and `own`: {the environment class's name: its get_reward, a reward
+    the run makes}, or {}."""
 
     def __init__(self, tools, environment=""):
         self.tools = [load(spec, "--tools") for spec in tools]
         self.schemas = [schema(fn, spec) for spec, fn in zip(tools, self.tools)]  # every rollout's: one class of env
-        self.factory, self.pool, self.reward_name = None, [], ""
+        self.factory, self.pool, self.own = None, [], {}
         if environment:
             self.factory = load(environment, "--environment")
             probe = self.factory()  # the pool's first instance
@@ -83,7 +84,7 @@ class Toolbox:
             if not callable(getattr(probe, "reset", None)):
                 raise ConfigError(f"--environment {environment}: {name} has no reset(**row) method")
             self.schemas += [schema(fn, f"{environment}.{fn.__name__}") for fn in methods(probe)]
-            self.reward_name = name if callable(getattr(probe, "get_reward", None)) else ""
+            self.own = {name: self.reward()} if callable(getattr(probe, "get_reward", None)) else {}
 
     def environments(self, n):
         """n instances, made once and reused: one per concurrent rollout (TRL's pool)."""
@@ -176,10 +177,7 @@ class Agent:
             done += [(name, {"error": str(r)}, True) if isinstance(r, Exception) else (name, r, False)
                      for (name, *_), r in zip(waiting, self.loop.run(gather()))]
         done += [("unknown", {"error": error}, True) for error in errors]
-        counts = {}
-        for name, _, failed in done:
-            counts[f"calls/{name}"] = counts.get(f"calls/{name}", 0) + 1
-            counts[f"failures/{name}"] = counts.get(f"failures/{name}", 0) + failed
+        counts = add_counts({f"calls/{name}": 1, f"failures/{name}": int(failed)} for name, _, failed in done)
         return [{"role": "tool", "name": n, "content": r if isinstance(r, list) else str(r)} for n, r, _ in done], \
             counts
 
@@ -210,9 +208,8 @@ class Agent:
                 jobs = [self.threads.submit(self.call, self.tools_of(envs[i]), *state[i].pop("pending"))
                         for i in active]
                 results = [job.result() for job in jobs]
-            going = []
-            for i, (tool_messages, used) in zip(active, results):
-                counts = {k: counts.get(k, 0) + used.get(k, 0) for k in counts | used}
+            going, counts = [], add_counts([counts] + [used for _, used in results])
+            for i, (tool_messages, _) in zip(active, results):
                 suffix = self.suffix_ids(tool_messages)
                 s = state[i]
                 if len(s["ids"]) + len(suffix) > params.max_new_tokens or \

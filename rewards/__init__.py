@@ -337,6 +337,14 @@ class RewardScorer:
         s.update({f"metric/{k}": v for k, v in metrics.items()})
         column.copy_(torch.tensor([math.nan if v is None else v for v in got], dtype=torch.float64))
 
+    def score(self, completions, examples, environments=None):
+        """__call__ on a sampler's Completions (minigdpo/sampler.py): their final texts, the lengths of what the model
+        wrote, every token after each one's own prompt, and a tool loop's conversations and environments."""
+        agent = any(c.messages is not None for c in completions)
+        return self([c.text for c in completions], examples, [c.written for c in completions],
+                    [c.token_ids[c.prompt_tokens:] for c in completions],
+                    [c.messages for c in completions] if agent else None, environments)
+
     def __call__(self, completions, examples, completion_tokens=None, completion_ids=None, messages=None,
                  environments=None):
         """completion_ids (token id lists) give completion_tokens too, unless given. A tool loop's rollouts come with

@@ -26,6 +26,15 @@ def model_cache(tmp_path_factory):
     return os.environ["MINIGDPO_CACHE"]
 
 
+def mounted_tmpfs(path, size):
+    """A real tmpfs of `size` (mount's size=, "3m") at `path`, yielded and unmounted after; skips without root."""
+    os.makedirs(path)
+    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", path]).returncode:
+        pytest.skip("needs root to mount a small tmpfs")
+    yield path
+    subprocess.run(["umount", path])
+
+
 def free_port():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -8,14 +8,13 @@ Run: pytest tests/test_lora.py   (about 2 minutes on 2 cores)
 
 import json
 import os
-import subprocess
 import tempfile
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import read_jsonl, refusal, refused, run
+from conftest import mounted_tmpfs, read_jsonl, refusal, refused, run
 from minigdpo import checkpoint, config, dist, logprobs, lora, microbatch, models, policy
 from minigdpo.sampler import HFSampler, SamplingParams
 from minigdpo.update import optimizer, scheduler
@@ -246,12 +245,7 @@ def test_vllm_serves_the_adapters_a_new_one_per_sync_and_sleeps_keeping_its_base
 @pytest.fixture
 def small_tmpfs(tmp_path):
     """A real 1 MB tmpfs: smaller than two of the tiny model's adapters and 1 MiB."""
-    mnt = tmp_path / "shm"
-    mnt.mkdir()
-    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mnt)]).returncode:
-        pytest.skip("needs root to mount a small tmpfs")
-    yield str(mnt)
-    subprocess.run(["umount", str(mnt)])
+    yield from mounted_tmpfs(str(tmp_path / "shm"), "1m")
 
 
 def test_vllm_adapter_folders_go_on_every_exit_path_and_not_into_a_small_shm(tiny, process_group, vllm, small_tmpfs,

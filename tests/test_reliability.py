@@ -7,13 +7,12 @@ Run: pytest tests/test_reliability.py   (about 3 minutes)
 
 import math
 import os
-import subprocess
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import read_jsonl, refusal, refused, run
+from conftest import mounted_tmpfs, read_jsonl, refusal, refused, run
 from minigdpo import config, models
 from minigdpo.estimators import REGISTRY
 from minigdpo.update import optimizer, policy_loss, scheduler
@@ -99,12 +98,7 @@ def test_injected_full_disk_can_continue(tmp_path):
 @pytest.fixture
 def tiny_disk(tmp_path):
     """A real 3 MB filesystem: room for one tiny checkpoint (about 1.4 MB), not for two."""
-    mnt = tmp_path / "disk"
-    mnt.mkdir()
-    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", "size=3m", "tmpfs", str(mnt)]).returncode:
-        pytest.skip("needs root to mount a small tmpfs")
-    yield str(mnt)
-    subprocess.run(["umount", str(mnt)])
+    yield from mounted_tmpfs(str(tmp_path / "disk"), "3m")
 
 
 @pytest.mark.slow

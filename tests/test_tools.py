@@ -194,7 +194,7 @@ def test_an_environment_per_rollout_reset_with_its_row_its_methods_as_tools_and_
     from tests.tool_fixtures import Counter  # the module --environment loads
 
     agent = agent_of(agent_path, [], FIX + "Counter")
-    assert agent.box.reward_name == "Counter" and [s["function"]["name"] for s in agent.box.schemas] == ["increment"]
+    assert list(agent.box.own) == ["Counter"] and [s["function"]["name"] for s in agent.box.schemas] == ["increment"]
     script = {"count from": [[f'<tool_call>{{"name": "increment", "arguments": {{"by": {j + 1}}}}}</tool_call>',
                               "done"] for j in range(3)]}
     examples = [{"messages": [{"role": "user", "content": "count from"}], "start": 10, "columns": ("start",)}]
@@ -208,7 +208,7 @@ def test_an_environment_per_rollout_reset_with_its_row_its_methods_as_tools_and_
     assert "(the counter is at 10)" in agent.tok.decode(shared[0])  # reset's string ends the last prompt message
     from rewards import RewardScorer
 
-    scorer = RewardScorer(["tests.tool_fixtures:counted", "Counter"], own={"Counter": agent.box.reward()})
+    scorer = RewardScorer(["tests.tool_fixtures:counted", "Counter"], own=agent.box.own)
     flat = [c for g in groups for c in g]
     out, _ = scorer([c.text for c in flat], examples * 3, messages=[c.messages for c in flat],
                     environments=agent.environments)
