@@ -108,10 +108,13 @@ def capabilities():
         root = hasattr(os, "geteuid") and os.geteuid() == 0
         linux = sys.platform.startswith("linux")
         namespaces = linux and _unshare_works(CLONE_NEWNS | CLONE_NEWNET | CLONE_NEWPID | (0 if root else CLONE_NEWUSER))
-        python = sys.executable
-        if root:  # the sandbox user must be able to run the interpreter and read its standard library
-            python = next((p for p in (sys.executable, "/usr/bin/python3", "/usr/local/bin/python3")
-                           if os.path.exists(p) and _world_usable(p)), sys.executable)
+        # The program runs `python -I -S`: no site, so a virtual environment's link adds nothing, and its real path
+        # is taken, for a link under /tmp (CI's venv) lies where isolate() mounts a private /tmp. As root, the
+        # sandbox user must be able to run the interpreter and read its standard library.
+        real = [os.path.realpath(p) for p in (sys.executable, "/usr/bin/python3", "/usr/local/bin/python3")
+                if os.path.exists(p)]
+        python = next((p for p in real if (not root or _world_usable(p))
+                       and not (namespaces and p.startswith(("/tmp/", "/var/tmp/", "/dev/shm/")))), sys.executable)
         _CAPS = {"platform": sys.platform, "root": root, "drop_privileges": root, "namespaces": namespaces,
                  "user_namespace": namespaces and not root, "python": python}
     return _CAPS

@@ -172,3 +172,29 @@ def test_assert_style_tests_and_program_extraction():
                      LIMITS).passed == 1
     assert extract_program("a\n```python\nprint(1)\n```\nb\n```py\nprint(2)\n```") == "print(2)\n"
     assert extract_program("print(3)") == "print(3)"
+
+
+def test_an_interpreter_in_a_virtual_environment_under_tmp_still_runs_the_program(monkeypatch):
+    """A virtual environment under /tmp (CI's is /tmp/minigdpo-ci) gives a python that the sandbox's own private /tmp
+    hides from the program: every program failed and every code reward read 0, silently. It runs now."""
+    import shutil
+    import sys
+
+    from rewards import sandbox
+
+    if not capabilities()["namespaces"]:
+        pytest.skip("the private /tmp comes with the mount namespace, which this machine does not give")
+    base = next((p for p in ("/usr/bin/python3", "/usr/local/bin/python3") if os.path.exists(p)
+                 and sandbox._world_usable(p)), None)  # what `python3 -m venv` links to, runnable by every user
+    if base is None:
+        pytest.skip("no python3 here that every user can run")
+    venv = tempfile.mkdtemp(dir="/tmp")  # as `python -m venv /tmp/...` makes it: searchable by every user
+    try:
+        os.chmod(venv, 0o755)
+        os.symlink(base, os.path.join(venv, "python"))
+        monkeypatch.setattr(sandbox, "_CAPS", None)
+        monkeypatch.setattr(sandbox.sys, "executable", os.path.join(venv, "python"))
+        result = run_python("print(6 * 7)", limits=LIMITS)
+        assert (result.returncode, result.stdout) == (0, "42\n"), result.stderr
+    finally:
+        shutil.rmtree(venv)
