@@ -178,7 +178,6 @@ def test_an_interpreter_in_a_virtual_environment_under_tmp_still_runs_the_progra
     """A virtual environment under /tmp (CI's is /tmp/minigdpo-ci) gives a python that the sandbox's own private /tmp
     hides from the program: every program failed and every code reward read 0, silently. It runs now."""
     import shutil
-    import sys
 
     from rewards import sandbox
 
