@@ -40,20 +40,21 @@ import time
 import torch
 from transformers import TrainerState
 
-from minigdpo import checkpoint, data, dist, lora, models, tools
+from minigdpo import checkpoint, data, dist, lora, models, scoring, tools
 from minigdpo.config import Config
 from minigdpo.rollout import add_counts
 from minigdpo.sampler import SamplingParams
 from minigdpo.vllm_sampler import SamplerUnavailable, make_sampler, resolve_kind
 from minigdpo.figures import RESAMPLES, TASK_METRICS, compare, comparison_table, pass_at_k, paired_bootstrap, \
     prompt_stats, summarise  # noqa: F401 (the figures, minigdpo/figures.py; tests read some from here)
-from rewards import RewardScorer, encode_prompt, load_task
+from minigdpo.scoring import RewardScorer
+from rewards import encode_prompt, load_task, metric_names
 
 # The task settings a training run fixes, with the defaults used when neither the command line nor
 # a checkpoint gives them: train.py's own defaults, so that a model trained with them is evaluated alike.
 RUN_SETTINGS = {name: getattr(Config, name) for name in
                 ("task", "arith_difficulty", "max_prompt_len", "max_new_tokens", "length_limit", "length_unit",
-                 "answer_format", "environment", "max_tool_calls")} | {"tools": []}
+                 "answer_format", "environment", "max_tool_calls", "tool_timeout")} | {"tools": [], "rewards": []}
 
 
 def checkpoint_run(model):
@@ -129,16 +130,17 @@ def swap_in(sampler, tokenizer, source, path, args, kind):
     return new_sampler(path, args)
 
 
-def evaluate(sampler, tokenizer, label, args, examples, names, out_file):
+def evaluate(sampler, tokenizer, label, args, examples, specs, out_file):
     """Sample, score and summarise one model on `examples`; each completion goes to out_file.
 
     Under a process group every rank samples its own slice of the prompts (rank 0 the first), and rank 0
     gathers them, summarises and writes. Returns (summary, prompt_stats) on rank 0, None elsewhere."""
     box = args.toolbox  # an agent's tools: the same loop as in training (minigdpo/tools.py)
-    agent = box and tools.Agent(box, tokenizer, args.max_tool_calls, label, args.max_prompt_len + args.max_new_tokens)
-    scorer = RewardScorer(names, own=box.own if box else {})
+    agent = box and tools.Agent(box, tokenizer, args.max_tool_calls, label, args.max_prompt_len + args.max_new_tokens,
+                                args.tool_timeout)
+    scorer = RewardScorer(specs, own=box.env_rewards if box else {}, names=metric_names(specs))
     if examples:
-        scorer.check_conversation(examples[0]["messages"])
+        scorer.check_conversation(examples[0]["messages"], tools=bool(box))
     run = args.runs.get(label) or {}  # a checkpoint's optimizer steps, as its run's TRL-style rewards saw them
     scorer.trainer_state = TrainerState(global_step=run.get("step", 0) * run.get("num_iterations", 1),
                                         max_steps=run.get("total_steps", 0) * run.get("num_iterations", 1))
@@ -146,7 +148,8 @@ def evaluate(sampler, tokenizer, label, args, examples, names, out_file):
     per_rank = -(-len(examples) // dist.world_size())
     first = dist.rank() * per_rank
     mine = examples[first:first + per_rank]
-    rows, all_rewards, lengths, truncated, failures, counts = [], [], [], [], {}, []
+    names = metric_names(specs)
+    rows, all_rewards, lengths, truncated, failures, counts, calls = [], [], [], [], {}, [], []
     t0 = time.perf_counter()
     for s in range(0, len(mine), args.batch_size):
         batch = mine[s:s + args.batch_size]
@@ -157,8 +160,10 @@ def evaluate(sampler, tokenizer, label, args, examples, names, out_file):
             groups = sampler.generate([encode_prompt(tokenizer, ex["messages"], args.max_prompt_len) for ex in batch],
                                       args.n, params)
         completions = [c for group in groups for c in group]
-        rewards, stats = scorer.score(completions, [ex for ex in batch for _ in range(args.n)],
-                                      agent and agent.environments)  # (b * n, R)
+        seen = [ex for ex in batch for _ in range(args.n)]
+        if agent:  # the prompt as the model saw it (an environment's reset may extend it), as in training
+            seen = [{**ex, "messages": messages} for ex, messages in zip(seen, agent.prompts)]
+        rewards, stats = scorer.score(completions, seen, agent and agent.environments)  # (b * n, R)
         failures = RewardScorer.merge([failures, stats])
         for i, c in enumerate(completions):
             rows.append({"prompt_index": first + s + i // args.n, "sample": i % args.n, "completion": c.text,
@@ -168,16 +173,17 @@ def evaluate(sampler, tokenizer, label, args, examples, names, out_file):
         all_rewards.append(rewards.view(len(batch), args.n, len(names)))                   # (b, n, R)
         lengths.append(torch.tensor([c.written for c in completions]).view(len(batch), args.n))
         truncated.append(torch.tensor([c.finish_reason == "length" for c in completions]).view(len(batch), args.n))
+        calls.append(torch.tensor([c.tool_counts for c in completions]).view(len(batch), args.n, 2))
         dist.print0(f"{label}: evaluated {min(s + args.batch_size, len(mine)) * dist.world_size()}/{len(examples)} "
                     "prompts", file=sys.stderr)
-    parts = dist.all_gather_object((rows, all_rewards, lengths, truncated, failures, counts))
+    parts = dist.all_gather_object((rows, all_rewards, lengths, truncated, failures, counts, calls))
     RewardScorer.check(RewardScorer.merge([part[4] for part in parts]))  # a broken reward stops every rank alike
     if not dist.is_main():
         return None
     with open(out_file, "w") as f:
         f.writelines(json.dumps(row) + "\n" for part in parts for row in part[0])
-    cat = [torch.cat([t for part in parts for t in part[k]]) for k in (1, 2, 3)]
-    figures = (args.task, names, *cat, args.n)
+    cat = [torch.cat([t for part in parts for t in part[k]]) for k in (1, 2, 3, 6)]
+    figures = (args.task, names, *cat[:3], args.n, cat[3] if agent else None)
     counts = add_counts(c for part in parts for c in part[5])  # the tool loop's, every batch's of every rank's
     summary = summarise(*figures) | tools.metrics(counts) | {"seconds": time.perf_counter() - t0, "model": label}
     return summary, prompt_stats(*figures)
@@ -193,7 +199,8 @@ def parse_args(argv=None):
     p.add_argument("--task", choices=sorted(TASK_METRICS), help=f"default: {run} {RUN_SETTINGS['task']}")
     p.add_argument("--data", default="", help="local file or hub dataset; empty: the task's default")
     p.add_argument("--split", default="test", help="split for hub datasets (and arith's held-out set)")
-    p.add_argument("--rewards", default="", help="comma-separated rewards; empty: the task's default")
+    p.add_argument("--rewards", type=lambda s: [x for x in s.split(",") if x],
+                   help=f"comma-separated rewards; default: {run} the task's own")
     p.add_argument("--n", type=int, default=1, help="samples per prompt (pass@k for k up to n)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")
     p.add_argument("--top-p", type=float, default=1.0)
@@ -208,15 +215,18 @@ def parse_args(argv=None):
     p.add_argument("--batch-size", type=int, default=16, help="prompts per generate call")
     p.add_argument("--sampler", default="auto", choices=["auto", "hf", "vllm"])
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--output", default="", help="output directory (default: runs/eval/<task>)")
+    p.add_argument("--output", "--output-dir", dest="output", default="",
+                   help="output directory (default: runs/eval/<task>)")
+    p.add_argument("--tool-timeout", type=float, help=f"seconds a tool call may take; default: {run} 60")
     args = p.parse_args(argv)
     args.model, run_config = checkpoint_run(args.model)
     args.baseline, baseline_config = checkpoint_run(args.baseline) if args.baseline else ("", None)
     args.runs = {args.model: run_config, args.baseline: baseline_config}  # each model's trainer_state (evaluate)
     source, run_config = (args.model, run_config) if run_config is not None else (args.baseline, baseline_config)
     explicit = [k for k in RUN_SETTINGS if getattr(args, k) is not None]
-    agentless = ("tools", "environment", "max_tool_calls")  # said only where the run had an agent
-    taken = [k for k in fill_settings(args, run_config) if getattr(args, k) or k not in agentless]
+    taken = fill_settings(args, run_config)
+    agentless = () if args.tools or args.environment else ("tools", "environment", "max_tool_calls", "tool_timeout")
+    taken = [k for k in taken if k not in agentless and (k != "rewards" or args.rewards)]  # what the run changed
     if taken:
         given = "; from the command line: " + " ".join(f"{k}={getattr(args, k)}" for k in explicit) if explicit else ""
         dist.print0(f"settings from the run of {source}: " + " ".join(f"{k}={getattr(args, k)}" for k in taken) + given)
@@ -240,7 +250,7 @@ def main(argv=None, sampler=None, tokenizer=None, source=None):
                      reward_options)
     examples = task.examples[:args.limit] if args.limit else task.examples
     args.toolbox = tools.Toolbox(args.tools, args.environment) if args.tools or args.environment else None
-    names = ([r for r in args.rewards.split(",") if r] or task.rewards) + list(args.toolbox.own if args.toolbox else {})
+    specs = (args.rewards or task.rewards) + list(args.toolbox.env_rewards if args.toolbox else {})
     out_dir = args.output or os.path.join("runs", "eval", args.task)
     if dist.is_main():
         os.makedirs(out_dir, exist_ok=True)
@@ -249,19 +259,19 @@ def main(argv=None, sampler=None, tokenizer=None, source=None):
         source = model_path(args.model, out_dir)
         sampler, tokenizer = new_sampler(source, args)
         try:
-            return report(args, sampler, tokenizer, source, kind, examples, names, out_dir)
+            return report(args, sampler, tokenizer, source, kind, examples, specs, out_dir)
         finally:
             sampler.close()  # a vLLM engine shuts down now, not in a finaliser at exit
-    return report(args, sampler, tokenizer, source, kind, examples, names, out_dir)
+    return report(args, sampler, tokenizer, source, kind, examples, specs, out_dir)
 
 
-def report(args, sampler, tokenizer, source, kind, examples, names, out_dir):
+def report(args, sampler, tokenizer, source, kind, examples, specs, out_dir):
     """Evaluate --model with `sampler`, then --baseline streamed into it; print and write the summary."""
-    result = evaluate(sampler, tokenizer, args.model, args, examples, names, os.path.join(out_dir, "completions.jsonl"))
+    result = evaluate(sampler, tokenizer, args.model, args, examples, specs, os.path.join(out_dir, "completions.jsonl"))
     if args.baseline:
         baseline = model_path(args.baseline, out_dir, "_baseline")
         sampler, tokenizer = swap_in(sampler, tokenizer, source, baseline, args, kind)
-        base = evaluate(sampler, tokenizer, args.baseline, args, examples, names,
+        base = evaluate(sampler, tokenizer, args.baseline, args, examples, specs,
                         os.path.join(out_dir, "completions_baseline.jsonl"))
     if not dist.is_main():
         return None
@@ -307,3 +317,5 @@ if __name__ == "__main__":
     except (data.DataError, SamplerUnavailable, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
+    finally:
+        scoring.close_loop()  # the event loop of async rewards and tools, and its thread

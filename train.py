@@ -33,25 +33,22 @@ Shape legend: B prompts per step, G samples per prompt, R rewards, S groups the 
 --dynamic-sampling, those found).
 """
 
-import json
-import math
-import os
 import sys
 import time
-from collections import deque
 
 import torch
-from tqdm import tqdm
 
-from minigdpo import checkpoint, config, dist, dynamic_sampling, logprobs, lora, microbatch, models, policy, rollout, \
-    tools
+from minigdpo import checkpoint, config, dist, dynamic_sampling, logprobs, lora, microbatch, models, pipeline, policy, \
+    rollout, scoring, tools
 from minigdpo.advantages import Condition, advantage_stats, apply_conditions
 from minigdpo.estimators import REGISTRY
 from minigdpo.data import DataError
+from minigdpo.report import Logger, reward_metrics, start_end_table
 from minigdpo.rollout import timed
 from minigdpo.update import fill_logprobs, optimizer, scheduler, step_metrics, throughput, update
 from minigdpo.vllm_sampler import SamplerUnavailable, check_sampler, make_sampler, resolve_kind
-from rewards import PromptOrder, RewardError, RewardScorer, load_task
+from minigdpo.scoring import RewardScorer
+from rewards import PromptOrder, RewardError, load_task, metric_names
 from rewards.reward_model import RewardModelError
 
 
@@ -74,6 +71,7 @@ def run_training(argv=None):
     except ValueError as e:  # nodes with different numbers of ranks cannot form an HSDP mesh
         raise config.ConfigError(f"--sharding {cfg.sharding}: {e}") from None
     sizes = config.resolve(cfg, dist.world_size(), len(task.examples), dist.mesh().shape)
+    sampling_group = dist.sampling_group() if cfg.async_steps else None  # every rank makes it, here
     checkpoint.check_shared(cfg.output_dir)  # multi-node: one filesystem for every rank, checked before any load
     run = config.describe(cfg, sizes) | {"rewards": names}
     dist.print0(f"minigdpo: {cfg.estimator} on {cfg.task} ({len(task.examples)} prompts"
@@ -84,10 +82,12 @@ def run_training(argv=None):
     # The trained policy, its frozen reference (with LoRA: the policy, adapters off), the sampler's copy.
     context = cfg.max_prompt_len + cfg.max_new_tokens  # the longest sequence a pass may meet
     tokenizer = models.load_tokenizer(path)
-    agent = toolbox and tools.Agent(toolbox, tokenizer, cfg.max_tool_calls, cfg.model, context)  # the tool loop
+    agent = toolbox and tools.Agent(toolbox, tokenizer, cfg.max_tool_calls, cfg.model, context, cfg.tool_timeout)
     auto = torch.bfloat16 if device.type == "cuda" else torch.float32
     dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}.get(cfg.dtype, auto)
-    scorer.place_models(device, dtype, cfg.reward_model_batch_size, cfg.reward_model_placement, policy.build_classifier)
+    # Not sharded beside an asynchronous trainer: its gathers and the trainer's would meet from two threads.
+    placement = "resident" if cfg.async_steps and cfg.reward_model_placement == "auto" else cfg.reward_model_placement
+    scorer.place_models(device, dtype, cfg.reward_model_batch_size, placement, policy.build_classifier)
     compiled = cfg.compile == "true" or (cfg.compile == "auto" and device.type == "cuda")
     model = policy.build(path, device, dtype, cfg.grad_checkpointing, lora_settings=lora_settings, compile=compiled,
                          context=context)
@@ -110,7 +110,7 @@ def run_training(argv=None):
     gap_warn = cfg.logp_gap_warn or (1e-3 if dtype == torch.float32 else 0.05)  # config.py's logp_gap_warn
     save_dtype = models.source_dtype(path)  # exports keep the checkpoint's dtype, not the fp32 master copy's
 
-    start, cursor = 0, 0
+    start, cursor, pending = 0, 0, []
     if cfg.resume:
         last, removed = checkpoint.resume_point(cfg.output_dir)  # decided on rank 0, the same on every rank
         for p in removed:
@@ -119,7 +119,7 @@ def run_training(argv=None):
             dist.print0(f"--resume: no complete checkpoint in {cfg.output_dir}, starting from step 0")
         else:
             state = checkpoint.load(last, model, opt, sched)
-            start, cursor = state["step"], state["cursor"]
+            start, cursor, pending = state["step"], state["cursor"], checkpoint.load_pending(last)
             sampler.load_weights(model.whole_weights(dtype, adapters_only=sampler.adapters_only))
             dist.print0(f"resumed from {last} at step {start}")
 
@@ -129,99 +129,129 @@ def run_training(argv=None):
     options = REGISTRY[cfg.estimator].options(cfg)  # the estimator's own flags (gd2po's mode and tau, SAW's shift)
     log = Logger(cfg.output_dir, sizes.total_steps, start, run, cfg.wandb)
 
-    for step in range(start + 1, sizes.total_steps + 1):
-        seconds, t_step = {}, time.perf_counter()
-        if device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(device)
-        # 1-3. Prompts, G completions each, their rewards (minigdpo/rollout.py): each rank samples its share.
-        scorer.trainer_state = rollout.trainer_state(step, cursor, cfg, sizes, len(task.examples))  # TRL-style rewards
+    def sample(step, version):
+        """Steps 1-3 of `step`: its prompts, G completions each, their rewards (minigdpo/rollout.py), each rank its
+        share, on the main thread; with --async-steps K while the trainer trains up to K steps behind (pipeline.py).
+        `version`: the updates the sampler's weights have had."""
+        nonlocal cursor
+        seconds = {}
+        scorer.trainer_state = rollout.trainer_state(version + 1, cursor, cfg, sizes, len(task.examples))
         if cfg.dynamic_sampling:  # rounds of fresh prompts until B groups can be learned from
             batch, cursor = dynamic_sampling.sample(step, cursor, order, task, tokenizer, sampler, scorer, cfg, sizes,
                                                     names, conditions, weights, seconds, agent)
-        else:  # one round; the sampler sleeps before scoring: an update, and so a weight sync, follows
+        else:  # one round; a synchronous sampler sleeps before scoring: an update, and so a weight sync, follows
             examples, seed = rollout.step_prompts(step, cursor, order, task, cfg, sizes)
-            batch = rollout.rollout(examples, seed, tokenizer, sampler, scorer, cfg, seconds, sleep=True, agent=agent)
+            batch = rollout.rollout(examples, seed, tokenizer, sampler, scorer, cfg, seconds,
+                                    sleep=cfg.async_steps == 0, agent=agent)
             cursor += sizes.prompts_per_step
-        n_groups = len(batch.rewards)  # every rank's, a multiple of the world size
-        if n_groups:  # the trainer gets the accelerator's memory; a sleeping vLLM drops its weights until step 7
-            sampler.sleep()
+        batch.seconds = seconds
+        return batch, cursor
 
-        # 4. Advantages over the global batch (GDPO's batch step must see every rank's groups).
-        conditioned = apply_conditions(batch.rewards, names, conditions)                      # (S, G, R) Eq. 8
-        adv_all = REGISTRY[cfg.estimator].advantages(conditioned, weights.to(conditioned.device), lengths=batch.lengths,
-                                            **options)                                          # (S, G)
-        first = dist.rank() * n_groups // dist.world_size()
-        adv = adv_all[first:first + len(batch.prompts)].float().cpu()                         # (this rank's S, G)
+    pipe = pipeline.Pipeline(cfg.async_steps, start, sizes.total_steps, sample, sampler.load_weights, pending)
 
-        if n_groups == 0:  # --dynamic-sampling at its cap found no group to learn from: no update this step
-            totals = None
-        else:
-            # 5. Micro-batches (minigdpo/microbatch.py); the reference's log-probs (and the old policy's).
-            with timed(seconds, "logprob"):
-                groups = list(zip(batch.prompts, batch.completions, adv))
-                if check_due:  # every run checks its fast pass once, at its first update
-                    self_check = check_fast_pass(model, ref, groups, cfg, tokenizer.pad_token_id, device, dtype, log)
-                    check_due = False
-                layout = ("packed" if cfg.padding_free else "padded") if model.fast else None
-                batches = microbatch.cut(groups, cfg, tokenizer.pad_token_id, device, layout)
-                if ref is not None:
-                    fill_logprobs(ref, batches, "ref_logp", cfg, reshard=True)
-                elif lora_settings and cfg.beta > 0:
-                    with lora.adapters_off(model):
-                        fill_logprobs(model, batches, "ref_logp", cfg)
-                if cfg.num_iterations > 1:
-                    fill_logprobs(model, batches, "old_logp", cfg)
+    def train():
+        """Steps 4-8 of every step, in order (with --async-steps, in a thread of its own: pipeline.py)."""
+        nonlocal self_check, check_due
+        if device.type == "cuda":
+            torch.cuda.set_device(device)  # the current device is the thread's own
+        t_end = time.perf_counter()
+        for step in range(start + 1, sizes.total_steps + 1):
+            if device.type == "cuda":
+                torch.cuda.reset_peak_memory_stats(device)
+            # 1-3. The step's rollouts and rewards, sampled by the main thread (above) by weights at most K updates old.
+            batch, after, staleness, waited, blocked = pipe.batch(step)
+            seconds = batch.seconds | {"wait_sampler": waited, "wait_trainer": blocked}
+            n_groups = len(batch.rewards)  # every rank's, a multiple of the world size
+            if n_groups and not cfg.async_steps:  # the trainer gets the memory; a sleeping vLLM drops its weights
+                sampler.sleep()
 
-            # 6. The policy update: num_iterations optimizer steps over the micro-batches (minigdpo/update.py).
-            with timed(seconds, "update"):
-                totals = update(model, opt, sched, batches, cfg)
+            # 4. Advantages over the global batch (GDPO's batch step must see every rank's groups).
+            conditioned = apply_conditions(batch.rewards, names, conditions)                      # (S, G, R) Eq. 8
+            adv_all = REGISTRY[cfg.estimator].advantages(conditioned, weights.to(conditioned.device),
+                                                         lengths=batch.lengths, **options)        # (S, G)
+            offset = dist.rank() * n_groups // dist.world_size()  # this rank's first group in the global batch
+            adv = adv_all[offset:offset + len(batch.prompts)].float().cpu()                       # (this rank's S, G)
 
-            # 7. The sampler gets the new weights, streamed one whole tensor at a time.
+            if n_groups == 0:  # --dynamic-sampling at its cap found no group to learn from: no update this step
+                totals = None
+            else:
+                # 5. Micro-batches (minigdpo/microbatch.py); the reference's log-probs (and the old policy's).
+                with timed(seconds, "logprob"):
+                    groups = list(zip(batch.prompts, batch.completions, adv))
+                    if check_due:  # every run checks its fast pass once, at its first update
+                        self_check = check_fast_pass(model, ref, groups, cfg, tokenizer.pad_token_id, device, dtype,
+                                                     log)
+                        check_due = False
+                    layout = ("packed" if cfg.padding_free else "padded") if model.fast else None
+                    batches = microbatch.cut(groups, cfg, tokenizer.pad_token_id, device, layout)
+                    if ref is not None:
+                        fill_logprobs(ref, batches, "ref_logp", cfg, reshard=True)
+                    elif lora_settings and cfg.beta > 0:
+                        with lora.adapters_off(model):
+                            fill_logprobs(model, batches, "ref_logp", cfg)
+                    if cfg.num_iterations > 1:
+                        fill_logprobs(model, batches, "old_logp", cfg)
+
+                # 6. The policy update: num_iterations optimizer steps over the micro-batches (minigdpo/update.py).
+                with timed(seconds, "update"):
+                    totals = update(model, opt, sched, batches, cfg)
+
+            # 7. The sampler gets the new weights, streamed one whole tensor at a time (with --async-steps, a copy).
             with timed(seconds, "sync"):
-                sampler.load_weights(model.whole_weights(dtype, adapters_only=sampler.adapters_only))
+                pipe.publish(step, None if totals is None else  # a skipped update leaves the sampler's as they are
+                             lambda: model.whole_weights(dtype, adapters_only=sampler.adapters_only))
 
-        # 8. Log, and checkpoint when due. Rewards and lengths describe every completion sampled this step.
-        m = reward_metrics(batch.sampled_rewards, names, batch.failures) | batch.stats | self_check | \
-            tools.metrics(batch.tools)
-        self_check = {}  # logged once
-        if not cfg.dynamic_sampling:  # what dynamic sampling would have dropped, logged without it too
-            m["sampling/uninformative_frac"] = 1 - dynamic_sampling.informative(
-                batch.rewards, names, conditions, weights, cfg).float().mean().item()
-        if totals is not None:
-            m |= step_metrics(totals) | throughput(batches, model, cfg, flops_per_token, attention_flops, seconds) | \
-                advantage_stats(adv_all, conditioned, names)
-            if m["sampler/logp_gap"] > gap_warn:
-                log.write(f"warning: step {step}: sampler/trainer log-prob gap {m['sampler/logp_gap']:.3g} > "
-                          f"{gap_warn:g} (stale or broken weight sync?)", error=True)
-        lens = batch.sampled_lengths
-        m |= {"completion/len_mean": lens.mean().item(), "completion/len_max": lens.max().item(),
-              "completion/truncated_frac": batch.truncated.mean().item(), "lr": sched.get_last_lr()[0],
-              "throughput/gen_tokens_per_s": lens.sum().item() / max(seconds["generate"], 1e-9)}
-        m |= {f"time/{k}": v for k, v in seconds.items()} | {"time/step": time.perf_counter() - t_step}
-        if device.type == "cuda":  # the step's peak over every phase, this rank's (rank 0 logs)
-            m["memory/peak_allocated_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
-            m["memory/peak_reserved_gib"] = torch.cuda.max_memory_reserved(device) / 2**30
-        log.log(step, m)
-        if cfg.samples_every and step % cfg.samples_every == 0 and batch.prompts:
-            log.samples(step, [{"prompt": tokenizer.decode(batch.prompts[0], skip_special_tokens=True)[-300:],
-                                "completion": c.text, "advantage": adv[0, i].item(),
-                                **({"conversation": c.messages} if c.messages is not None else {}),
-                                "rewards": dict(zip(names, batch.rewards[first, i].tolist())),
-                                **({"extra": c.extra} if c.extra else {})}
-                               for i, c in enumerate(batch.completions[0][:4])])
-        if (cfg.save_every and step % cfg.save_every == 0) or step == sizes.total_steps:
-            try:
-                where = checkpoint.save(cfg.output_dir, step, model, opt, sched, tokenizer, {"cursor": cursor, **run},
-                                        save_dtype, cfg.keep_checkpoints,
-                                        export_hf=not lora_settings or cfg.merge_on_save)
-                log.write(f"step {step}: saved {where}")
-            except checkpoint.CheckpointError as e:
-                log.write(f"error: {e}", error=True)
-                if cfg.on_save_error == "stop":
-                    log.close()
-                    raise SystemExit(f"stopped at step {step}: the last complete checkpoint is "
-                                     f"{checkpoint.latest(cfg.output_dir) or 'none'}") from None
+            # 8. Log, and checkpoint when due. Rewards and lengths describe every completion sampled this step.
+            m = reward_metrics(batch.sampled_rewards, names, batch.failures) | batch.stats | self_check | \
+                tools.metrics(batch.tools) | {"async/staleness_mean": staleness, "async/staleness_max": staleness}
+            self_check = {}  # logged once
+            if not cfg.dynamic_sampling:  # what dynamic sampling would have dropped, logged without it too
+                m["sampling/uninformative_frac"] = 1 - dynamic_sampling.informative(
+                    batch.rewards, names, conditions, weights, cfg).float().mean().item()
+            if totals is not None:
+                m |= step_metrics(totals) | throughput(batches, model, cfg, flops_per_token, attention_flops, seconds) \
+                    | advantage_stats(adv_all, conditioned, names)
+                if m["sampler/logp_gap"] > gap_warn and not staleness:  # stale weights widen it: that is async's own
+                    log.write(f"warning: step {step}: sampler/trainer log-prob gap {m['sampler/logp_gap']:.3g} > "
+                              f"{gap_warn:g} (stale or broken weight sync?)", error=True)
+            lens = batch.sampled_lengths
+            m |= {"completion/len_mean": lens.mean().item(), "completion/len_max": lens.max().item(),
+                  "completion/truncated_frac": batch.truncated.mean().item(), "lr": sched.get_last_lr()[0],
+                  "throughput/gen_tokens_per_s": lens.sum().item() / max(seconds["generate"], 1e-9)}
+            m |= {f"time/{k}": v for k, v in seconds.items()} | {"time/step": time.perf_counter() - t_end}
+            t_end = time.perf_counter()  # time/step: from one step's end to the next's, every wait included
+            if device.type == "cuda":  # the step's peak over every phase, this rank's (rank 0 logs)
+                m["memory/peak_allocated_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
+                m["memory/peak_reserved_gib"] = torch.cuda.max_memory_reserved(device) / 2**30
+            log.log(step, m)
+            if cfg.samples_every and step % cfg.samples_every == 0 and batch.prompts:
+                log.samples(step, [{"prompt": tokenizer.decode(batch.prompts[0], skip_special_tokens=True)[-300:],
+                                    "completion": c.text, "advantage": adv[0, i].item(),
+                                    **({"conversation": c.messages} if c.messages is not None else {}),
+                                    "rewards": dict(zip(names, batch.rewards[offset, i].tolist())),
+                                    **({"extra": c.extra} if c.extra else {})}
+                                   for i, c in enumerate(batch.completions[0][:4])])
+            if (cfg.save_every and step % cfg.save_every == 0) or step == sizes.total_steps:
+                save(step, after, pipe.pending(step))
 
+    def save(step, after, pending):
+        """Checkpoint `step`, with the batches sampled for the steps after it (--async-steps) and the cursor past
+        them; --on-save-error says what a failed write does."""
+        try:
+            where = checkpoint.save(cfg.output_dir, step, model, opt, sched, tokenizer,
+                                    {"cursor": pending[-1][1] if pending else after, **run}, save_dtype,
+                                    cfg.keep_checkpoints, export_hf=not lora_settings or cfg.merge_on_save,
+                                    pending=pending)
+            log.write(f"step {step}: saved {where}")
+        except checkpoint.CheckpointError as e:
+            log.write(f"error: {e}", error=True)
+            if cfg.on_save_error == "stop":
+                log.close()
+                raise SystemExit(f"stopped at step {step}: the last complete checkpoint is "
+                                 f"{checkpoint.latest(cfg.output_dir) or 'none'}") from None
+
+    with dist.collectives_on(sampling_group):  # the sampling thread's collectives: a group of their own
+        pipe.run(train)  # the main thread samples (sample), the trainer trains (train), in turn without --async-steps
     log.close()
     dist.print0(start_end_table(log.first, log.recent, names))
     if cfg.final_eval:  # every rank, with the trainer's own sampler: no second vLLM engine in this process
@@ -250,8 +280,9 @@ def check_fast_pass(model, ref, groups, cfg, pad_id, device, dtype, log):
 def rewards_setup(cfg, task, toolbox=None):
     """Reward names (an environment's get_reward last, named after its class), conditions, weights and scorer; any
     bad name or count is a ConfigError."""
-    own = toolbox.own if toolbox else {}  # an environment's get_reward, a reward of the run's own
-    names = (cfg.rewards or task.rewards) + list(own)
+    env_rewards = toolbox.env_rewards if toolbox else {}  # an environment's get_reward, a reward the run makes
+    specs = (cfg.rewards or task.rewards) + list(env_rewards)
+    names = metric_names(specs)
     try:
         if toolbox and not isinstance(task.examples[0]["messages"], list):
             raise ValueError("--tools and --environment need conversational prompts: the chat template writes tools")
@@ -264,104 +295,11 @@ def rewards_setup(cfg, task, toolbox=None):
         for flag, values in (("--reward-weights", cfg.reward_weights), ("--saw-shift", cfg.saw_shift)):
             if values and len(values) != len(names):
                 raise ValueError(f"{flag} has {len(values)} values for {len(names)} rewards {names}")
-        scorer = RewardScorer(names, timeout=cfg.reward_timeout, own=own)
-        scorer.check_conversation(task.examples[0]["messages"])  # a reward model's template must write the task's
+        scorer = RewardScorer(specs, timeout=cfg.reward_timeout, own=env_rewards, names=names)
+        scorer.check_conversation(task.examples[0]["messages"], tools=bool(toolbox))  # a reward model's template
     except ValueError as e:
         raise config.ConfigError(str(e)) from None
     return names, conditions, torch.tensor(cfg.reward_weights or [1.0] * len(names), dtype=torch.float64), scorer
-
-
-# What the user sees: a tqdm bar, metrics.jsonl (always), samples.jsonl, optional wandb -----------
-
-def reward_metrics(rewards, names, counts_per_rank):
-    """Per-reward mean and std over the global batch (NaN left out) and the scorer's failure counts,
-    summed over ranks. rewards: (B, G, R); counts_per_rank: every rank's {name: {kind: n}}."""
-    flat = rewards.reshape(-1, rewards.shape[-1])                    # (B*G, R)
-    out = {}
-    for k, name in enumerate(names):
-        valid = flat[:, k][~torch.isnan(flat[:, k])]
-        out[f"reward/{name}/mean"] = valid.mean().item() if valid.numel() else float("nan")
-        out[f"reward/{name}/std"] = valid.std().item() if valid.numel() > 1 else 0.0
-        for key, value in RewardScorer.merge(counts_per_rank)[name].items():  # failures; a reward model's truncations
-            if key.startswith("metric/"):                                       # and memory; a TRL-style log_metric
-                out[f"reward/{name}/{key[7:]}"] = value[0] / max(value[1], 1)
-            elif key != "error":
-                out[f"reward/{name}/{key}"] = value
-    return out
-
-
-class Logger:
-    """Rank 0's sinks; namespaced keys (reward/<name>/..., adv/..., loss/..., kl, time/...). On resume,
-    the rows after the resumed step (from the lost run) are dropped."""
-
-    def __init__(self, output_dir, total_steps, start_step, run_config, wandb_project=""):
-        self.main, self.first, self.recent = dist.is_main(), None, deque(maxlen=3)  # what the start/end table needs
-        if not self.main:
-            return
-        os.makedirs(output_dir, exist_ok=True)
-        self.metrics_path, self.samples_path = (os.path.join(output_dir, f) for f in ("metrics.jsonl", "samples.jsonl"))
-        for path in (self.metrics_path, self.samples_path):
-            if os.path.exists(path):
-                with open(path) as f:
-                    kept = [line for line in f if line.strip() and json.loads(line).get("step", 0) <= start_step]
-                with open(path, "w") as f:
-                    f.writelines(kept)
-        with open(os.path.join(output_dir, "config.json"), "w") as f:
-            json.dump(run_config, f, indent=2)
-        self.bar = tqdm(total=total_steps, initial=start_step, desc="steps", dynamic_ncols=True)
-        self.wandb = None
-        if wandb_project:
-            import wandb  # only when asked for
-
-            self.wandb = wandb.init(project=wandb_project, config=run_config, resume="allow")
-
-    def log(self, step, metrics):
-        if not self.main:
-            return
-        finite = {k: v if not isinstance(v, float) or math.isfinite(v) else None for k, v in metrics.items()}
-        row = {"step": step, **finite}
-        self.first = self.first or row
-        self.recent.append(row)
-        with open(self.metrics_path, "a") as f:
-            f.write(json.dumps(row) + "\n")
-        if self.wandb is not None:
-            self.wandb.log(row, step=step)
-        self.bar.update(1)
-        shown = {k.split("/")[1] if k.startswith("reward/") else k.split("/")[-1]: v for k, v in metrics.items()
-                 if (k.startswith("reward/") and k.endswith("/mean"))
-                 or k in ("kl", "sampling/uninformative_frac", "sampling/rounds", "time/step")}
-        self.bar.set_postfix({k: f"{v:.3g}" for k, v in shown.items()})
-
-    def samples(self, step, rows):
-        if self.main:
-            with open(self.samples_path, "a") as f:
-                f.writelines(json.dumps({"step": step, **row}) + "\n" for row in rows)
-
-    def write(self, text, error=False):
-        """A line above the progress bar (stderr for warnings and errors)."""
-        if self.main:
-            tqdm.write(text, file=sys.stderr if error else sys.stdout)
-
-    def close(self):
-        if self.main:
-            self.bar.close()
-            if self.wandb is not None:
-                self.wandb.finish()
-
-
-def start_end_table(first, last, names):
-    """Reward means at the first step of this run (sampled before any update) and over the last steps."""
-    if not first:
-        return ""
-    last, w = list(last), max([14] + [len(n) for n in names])  # names as wide as the longest, module:function ones too
-
-    def avg(rows, key):
-        values = [r[key] for r in rows if r.get(key) is not None]
-        return sum(values) / len(values) if values else float("nan")
-
-    rows = [(n, avg([first], f"reward/{n}/mean"), avg(last, f"reward/{n}/mean")) for n in names]
-    return "\n".join([f"{'reward':<{w}} {'start':>8} {'end':>8}   (step {first['step']} vs mean of steps "
-                      f"{last[0]['step']}-{last[-1]['step']})"] + [f"{n:<{w}} {a:>8.3f} {b:>8.3f}" for n, a, b in rows])
 
 
 def main(argv=None):
@@ -372,6 +310,8 @@ def main(argv=None):
     except BaseException as e:
         dist.cleanup(e)
         raise
+    finally:
+        scoring.close_loop()  # the event loop of the run's async rewards and tools, and its thread
     dist.cleanup()
 
 

@@ -54,7 +54,8 @@ def demo_workload(path):
     from minigdpo.advantages import gdpo
     from minigdpo.rollout import rollout, step_prompts
     from minigdpo.vllm_sampler import make_sampler
-    from rewards import PromptOrder, RewardScorer, load_task
+    from minigdpo.scoring import RewardScorer
+    from rewards import PromptOrder, load_task
 
     cfg = parse_args(["--preset", "cpu-demo", "--beta", "0.04"])
     task = load_task(cfg.task, cfg.data, "train", False, {"arith_difficulty": cfg.arith_difficulty})

@@ -18,7 +18,8 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from minigdpo import models  # noqa: E402
-from rewards import RewardScorer, load_task, reward_model  # noqa: E402
+from minigdpo.scoring import RewardScorer  # noqa: E402
+from rewards import load_task, reward_model  # noqa: E402
 
 
 def build(path):

@@ -44,7 +44,8 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from minigdpo.models import load_model, load_tokenizer, resolve_model  # noqa: E402  (hub names, tiny-random)
-from rewards import PromptOrder, RewardScorer, encode_prompt, load_task  # noqa: E402
+from minigdpo.scoring import RewardScorer  # noqa: E402
+from rewards import PromptOrder, encode_prompt, load_task  # noqa: E402
 
 
 @dataclass

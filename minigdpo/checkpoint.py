@@ -8,6 +8,7 @@
                       (with LoRA: the adapters and their optimizer state; the frozen base is not copied)
         trainer.json  step, data cursor, scheduler, config
         rng/          each rank's RNG states
+        pending/      with --async-steps: each rank's batches already sampled for the steps after this one
         COMPLETE      written last
 
 Everything is written into `step_000050.partial/`, which is renamed to `step_000050/` only
@@ -127,6 +128,8 @@ def missing_files(path, world_size):
     except OSError:
         return [os.path.join("state", ".metadata")]
     need |= {os.path.join("rng", f"rank{r}.pt"): 1 for r in range(world_size)}
+    if os.path.isdir(os.path.join(path, "pending")):  # --async-steps: every rank's batches sampled ahead
+        need |= {os.path.join("pending", f"rank{r}.pt"): 1 for r in range(world_size)}
     lacking = []
     for name, size in need.items():
         try:
@@ -282,14 +285,16 @@ def _agree(error, tmp):
         raise CheckpointError(f"could not write checkpoint {tmp}: rank {r}: {e}")
 
 
-def save(output_dir, step, model, optimizer, sched, tokenizer, trainer_state, save_dtype, keep, export_hf=True):
+def save(output_dir, step, model, optimizer, sched, tokenizer, trainer_state, save_dtype, keep, export_hf=True,
+         pending=()):
     """Write checkpoint `step` atomically on all ranks; raise CheckpointError on every rank on failure,
     within one phase of the failure, leaving the previous checkpoint untouched.
 
     Phases, each ended by a vote of every rank: prepare (rank 0 makes the folder), adapter (with LoRA:
     peft's format), hf (the Hugging Face export; export_hf=False skips it, for LoRA without
     --merge-on-save), state (every rank's DCP shards and RNG state), finish (rank 0 checks that every
-    rank's files are there, then writes trainer.json and COMPLETE) and rename.
+    rank's files are there, then writes trainer.json and COMPLETE) and rename. pending: this rank's batches sampled
+    for the steps after this one (minigdpo/pipeline.py), which a resumed run trains on as they are.
     """
     final = os.path.join(root(output_dir), f"step_{step:06d}")
     tmp = final + ".partial"
@@ -308,6 +313,9 @@ def save(output_dir, step, model, optimizer, sched, tokenizer, trainer_state, sa
         os.makedirs(os.path.join(tmp, "rng"), exist_ok=True)
         dist.save_sharded(model, optimizer, os.path.join(tmp, "state"))
         torch.save(rng_state(), os.path.join(tmp, "rng", f"rank{dist.rank()}.pt"))
+        if pending:
+            os.makedirs(os.path.join(tmp, "pending"), exist_ok=True)
+            torch.save(list(pending), os.path.join(tmp, "pending", f"rank{dist.rank()}.pt"))
 
     def finish():
         if dist.is_main():
@@ -359,6 +367,17 @@ def _prune(output_dir, keep):
 
 def _lora_flags(rank, targets):
     return f"--lora-rank {rank}" + (f" --lora-targets {','.join(sorted(targets))}" if rank else "")
+
+
+def load_pending(path):
+    """This rank's batches a checkpoint holds for the steps after it ([] for none; minigdpo/pipeline.py). Another
+    number of ranks than the run that wrote them cannot split them again: ConfigError."""
+    folder, saved = os.path.join(path, "pending"), _saved_world_size(path)
+    if os.path.isdir(folder) and saved != dist.world_size():
+        raise ConfigError(f"--resume: {path} holds batches {saved} ranks sampled ahead (--async-steps); resume it "
+                          f"on {saved} ranks, not {dist.world_size()}")
+    mine = os.path.join(folder, f"rank{dist.rank()}.pt")
+    return torch.load(mine, weights_only=False) if os.path.isdir(folder) else []
 
 
 def load(path, model, optimizer, sched):

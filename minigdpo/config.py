@@ -56,6 +56,10 @@ class Config:
     max_tool_calls: int = 0
     """Rounds of tool calls per rollout at most (TRL's max_tool_calling_iterations); 0: only --max-new-tokens,
     which counts every token after the prompt, the tools' included, bounds them."""
+    tool_timeout: float = 60.0
+    """Seconds a tool call may take before it becomes {"error": "... timed out"}, counted as a failure. 60: a
+    sandbox's or a web API's slow call fits, and a tool that hangs costs a minute a round (its later calls that round
+    fail at once), not the run."""
     estimator: str = "gdpo"
     """Advantage estimator: gdpo (the paper's TRL code), grpo, gdpo_verl and gdpo_nemo (verl's and NeMo-RL's GDPO),
     GDPO's successors, ... (minigdpo/estimators.py's REGISTRY; docs/estimators.md compares them)."""
@@ -198,8 +202,15 @@ class Config:
     """Reward models' weights: resident, offload (CPU between scorings), shard (FSDP2), auto (shard on ranks > 1)."""
     reward_model_batch_size: int = 8
     """Conversations a reward model scores per forward pass."""
-    importance_sampling_cap: float = 0.0
-    """Truncated importance sampling cap for the sampler/trainer mismatch; 0 disables it."""
+    async_steps: int = 0
+    """K: batches sampled and scored ahead of the update, while it trains (minigdpo/pipeline.py); step s is sampled by
+    the weights of update s - 1 - K at the oldest. 0: each step samples, then trains (no overlap)."""
+    importance_sampling_cap: float = -1.0
+    """C of the truncated importance weight min(pi_old / pi_sampler, C) on the surrogate: the decoupled objective,
+    which corrects for stale and mismatched sampler weights (docs/estimators.md). -1: 2 with --async-steps >= 1
+    (verl's and slime's choice), off without; 0: off."""
+    importance_sampling_level: str = "token"
+    """The importance weight per token, or per sequence (exp of the sequence's summed log-ratio; TRL's variant)."""
     logp_gap_warn: float = 0.0
     """Warn when the mean |sampler log-prob - trainer log-prob| exceeds this (a stale weight sync shows here).
     0: by dtype, 1e-3 in fp32 (rounding gives about 1e-6) and 0.05 in bf16 (0.013 seen with the HF sampler, H100)."""
@@ -210,7 +221,8 @@ CHOICES = {"estimator": tuple(REGISTRY), "task": tuple(TASKS), "loss_agg": AGGRE
            "dtype": ("auto", "bf16", "fp32"), "length_unit": ("tokens", "words"), "answer_format": ("answer", "boxed"),
            "on_save_error": ("stop", "continue"), "sharding": ("auto", "fsdp", "hsdp"), "gd2po_mode": ("hard", "snr"),
            "reduce_grads": ("step", "micro_batch"), "compile": ("auto", "true", "false"),
-           "reward_model_placement": ("auto", "resident", "offload", "shard")}
+           "reward_model_placement": ("auto", "resident", "offload", "shard"),
+           "importance_sampling_level": ("token", "sequence")}
 
 
 def field_docs(cls=Config):
@@ -311,7 +323,7 @@ def validate(cfg):
     for name in positive:
         _check(getattr(cfg, name) >= 1, f"--{flag(name)} must be >= 1, got {getattr(cfg, name)}")
     for name in ["max_steps", "micro_batch_tokens", "max_tool_calls", "save_every", "samples_every", "weight_decay",
-                 "max_grad_norm", "beta", "importance_sampling_cap", "final_eval", "logp_gap_warn",
+                 "max_grad_norm", "beta", "final_eval", "logp_gap_warn",
                  "vllm_kv_cache_gib"]:
         value = getattr(cfg, name)
         _check(math.isfinite(value) and value >= 0, f"--{flag(name)} must be >= 0, got {value}")
@@ -327,10 +339,18 @@ def validate(cfg):
     _check(math.isfinite(cfg.epochs) and cfg.epochs > 0, f"--epochs must be > 0, got {cfg.epochs}")
     _check(0 < cfg.vllm_gpu_memory_utilization < 1,
            f"--vllm-gpu-memory-utilization must be in (0, 1), got {cfg.vllm_gpu_memory_utilization}")
-    _check(cfg.reward_timeout > 0, f"--reward-timeout must be > 0, got {cfg.reward_timeout}")
+    for name in ("reward_timeout", "tool_timeout"):
+        _check(math.isfinite(getattr(cfg, name)) and getattr(cfg, name) > 0,
+               f"--{flag(name)} must be > 0, got {getattr(cfg, name)}")
     _check(1 <= cfg.arith_difficulty <= 6, f"--arith-difficulty must be in 1..6, got {cfg.arith_difficulty}")
-    _check(cfg.importance_sampling_cap == 0 or cfg.importance_sampling_cap >= 1,
-           f"--importance-sampling-cap must be 0 (off) or >= 1, got {cfg.importance_sampling_cap}")
+    _check(cfg.async_steps >= 0, f"--async-steps must be >= 0, got {cfg.async_steps}")
+    _check(cfg.importance_sampling_cap in (-1, 0) or cfg.importance_sampling_cap >= 1,
+           f"--importance-sampling-cap must be -1 (auto), 0 (off) or >= 1, got {cfg.importance_sampling_cap}")
+    if cfg.importance_sampling_cap == -1:  # resolved once, here: config.json shows the value the run used
+        cfg.importance_sampling_cap = 2.0 if cfg.async_steps else 0.0
+    _check(not (cfg.async_steps and cfg.reward_model_placement == "shard"),
+           "--reward-model-placement shard cannot run with --async-steps: a sharded reward model gathers its layers "
+           "over the ranks while the trainer's FSDP2 does too, from another thread (use resident or offload)")
     _check(bool(cfg.model.strip()), "--model must not be empty")
     _check(bool(cfg.output_dir.strip()), "--output-dir must not be empty")
     _check(cfg.seed >= 0, f"--seed must be >= 0, got {cfg.seed}")

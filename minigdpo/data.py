@@ -74,6 +74,9 @@ def _convert(source, numbered_rows, convert, settings, skip_bad, skipped):
             examples.append(convert(row, settings))
         except (KeyError, TypeError, ValueError, AttributeError, IndexError) as e:
             problem = f"missing field {e}" if isinstance(e, KeyError) else str(e)
+            if isinstance(e, KeyError) and isinstance(row, dict) and "prompt" in row:  # TRL's format, another task
+                raise DataError(f"{source}:{number}: {problem}; rows with a 'prompt' column are TRL's format: "
+                                "pass --task prompts") from None
             if not skip_bad:
                 raise DataError(f"{source}:{number}: {problem} (pass --skip-bad-rows to skip such rows)") from None
             skipped.append((number, problem))

@@ -7,12 +7,19 @@ one-process group (gloo on CPU, NCCL on GPU) so that FSDP2 and the collectives w
 NCCL serves CUDA tensors only: a host tensor that reaches one of its collectives raises "No backend
 type associated with device type cpu". So every wrapper here puts its tensors on the training device
 itself and returns its result there, and a call site can hand it a tensor from anywhere.
+
+With --async-steps the sampling side (minigdpo/pipeline.py) gathers its rewards while the trainer's FSDP2
+collectives run in another thread. Collectives of one group must come in the same order on every rank, which two
+threads cannot promise, so the sampling thread's go to a gloo group of their own (`sampling_group`): the wrappers
+send the calling thread's collectives to its group, on the host.
 """
 
 import datetime
 import gc
 import os
+import threading
 import traceback
+from contextlib import contextmanager
 
 import torch
 import torch.distributed as tdist
@@ -25,6 +32,7 @@ from torch.distributed.tensor import DTensor
 
 _device = None   # the training device, set by init(): every collective's tensors go there
 _mesh = None     # the FSDP2 device mesh, built once by init()
+_thread = threading.local()  # .group: the calling thread's own process group (the sampling thread's, async)
 TIMEOUT = datetime.timedelta(minutes=30)  # for every process group: a collective waits this long for a late rank
 
 
@@ -133,28 +141,54 @@ def print0(*args, **kwargs):
         print(*args, **kwargs, flush=True)
 
 
+def sampling_group():
+    """A new gloo group of every rank, for the sampling thread's collectives (--async-steps); every rank makes it at
+    the same point. None in a run of one rank, which has nothing to gather."""
+    return tdist.new_group(backend="gloo", timeout=TIMEOUT) if world_size() > 1 else None
+
+
+@contextmanager
+def collectives_on(group):
+    """The calling thread's collectives (the wrappers below) go to `group`, a gloo one, with host tensors."""
+    _thread.group = group
+    try:
+        yield
+    finally:
+        _thread.group = None
+
+
+def _group():
+    return getattr(_thread, "group", None)
+
+
+def _here():
+    """Where this thread's collectives keep their tensors: the host on its own gloo group, else the training device."""
+    return torch.device("cpu") if _group() is not None else device()
+
+
 def barrier():
     """Wait for every rank: a one-element all-reduce on the training device (what a barrier is)."""
     if world_size() > 1:
-        tdist.all_reduce(torch.zeros(1, device=device()))
+        tdist.all_reduce(torch.zeros(1, device=_here()), group=_group())
 
 
 def all_gather(tensor):
     """Concatenate equally shaped tensors from every rank along dim 0, in rank order, on the training device."""
-    tensor = tensor.to(device()).contiguous()
+    tensor = tensor.to(_here()).contiguous()
     if world_size() == 1:
         return tensor
     parts = [torch.empty_like(tensor) for _ in range(world_size())]
-    tdist.all_gather(parts, tensor)
-    return torch.cat(parts)
+    tdist.all_gather(parts, tensor, group=_group())
+    return torch.cat(parts).to(device())
 
 
 def all_reduce(tensor, op="sum"):
     """Sum, max or min over ranks, returned as a new tensor on the training device."""
-    out = tensor.to(device(), copy=True)
+    out = tensor.to(_here(), copy=True)
     if world_size() > 1:
-        tdist.all_reduce(out, op={"sum": tdist.ReduceOp.SUM, "max": tdist.ReduceOp.MAX, "min": tdist.ReduceOp.MIN}[op])
-    return out
+        tdist.all_reduce(out, op={"sum": tdist.ReduceOp.SUM, "max": tdist.ReduceOp.MAX, "min": tdist.ReduceOp.MIN}[op],
+                         group=_group())
+    return out.to(device())
 
 
 def all_gather_object(obj):
@@ -162,7 +196,7 @@ def all_gather_object(obj):
     if world_size() == 1:
         return [obj]
     out = [None] * world_size()
-    tdist.all_gather_object(out, obj)
+    tdist.all_gather_object(out, obj, group=_group())
     return out
 
 
@@ -174,11 +208,11 @@ def exchange_objects(outgoing):
     import pickle
 
     data = [torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8) for obj in outgoing]
-    sizes = torch.tensor([len(d) for d in data], dtype=torch.int64, device=device())   # (world,) bytes to each
+    sizes = torch.tensor([len(d) for d in data], dtype=torch.int64, device=_here())    # (world,) bytes to each
     incoming = torch.empty_like(sizes)                                                   # (world,) bytes from each
-    tdist.all_to_all_single(incoming, sizes)
-    received = torch.empty(int(incoming.sum()), dtype=torch.uint8, device=device())
-    tdist.all_to_all_single(received, torch.cat(data).to(device()), incoming.tolist(), sizes.tolist())
+    tdist.all_to_all_single(incoming, sizes, group=_group())
+    received = torch.empty(int(incoming.sum()), dtype=torch.uint8, device=_here())
+    tdist.all_to_all_single(received, torch.cat(data).to(_here()), incoming.tolist(), sizes.tolist(), group=_group())
     return [pickle.loads(part.cpu().numpy().tobytes()) for part in received.split(incoming.tolist())]
 
 
@@ -186,7 +220,7 @@ def broadcast_object(obj, src=0):
     if world_size() == 1:
         return obj
     box = [obj]
-    tdist.broadcast_object_list(box, src=src)
+    tdist.broadcast_object_list(box, src=src, group=_group())
     return box[0]
 
 

@@ -15,7 +15,7 @@ from minigdpo import dist
 from minigdpo.advantages import apply_conditions
 from minigdpo.estimators import REGISTRY, informative_groups
 from minigdpo.rollout import Rollout, add_counts, rollout, step_prompts
-from rewards import RewardScorer
+from minigdpo.scoring import RewardScorer
 
 
 def informative(rewards, names, conditions, weights, cfg):

@@ -29,8 +29,9 @@ def pass_at_k(n, c, k):
     return 1.0 - math.comb(n - c, k) / math.comb(n, k)
 
 
-def prompt_stats(task, names, rewards, lengths, truncated, n):
-    """Each mean-type figure as per-prompt (sums (P,), counts (P,)) from (P, n, R) rewards and (P, n) lengths.
+def prompt_stats(task, names, rewards, lengths, truncated, n, tool_counts=None):
+    """Each mean-type figure as per-prompt (sums (P,), counts (P,)) from (P, n, R) rewards and (P, n) lengths (and an
+    agent's (P, n, 2) calls and failed calls per rollout).
 
     A figure is sum(sums) / sum(counts): a mean over samples, NaN rewards left out. Keeping the
     two apart lets the bootstrap resample prompts and recompute exactly the figure printed.
@@ -66,15 +67,20 @@ def prompt_stats(task, names, rewards, lengths, truncated, n):
             out["pass_rate"] = (per(rewards[..., names.index("pass")].nan_to_num(0)), ones)
         if "no_bug" in names:
             out["bug_ratio"] = (per(rewards[..., names.index("no_bug")] < 1), ones)
+    if tool_counts is not None:  # TRL's tool figures, and how many rollouts call a tool at all
+        calls, failed = tool_counts[..., 0], tool_counts[..., 1]      # (P, n) each
+        out["tools/call_rate"] = (per(calls > 0), ones)
+        out["tools/call_frequency"] = (per(calls), ones)
+        out["tools/failure_frequency"] = (per(failed), per(calls))
     out["length/mean"] = (per(lengths), ones)
     out["length/truncated_frac"] = (per(truncated), ones)
     return out
 
 
-def summarise(task, names, rewards, lengths, truncated, n):
-    """Figures from (P, n, R) rewards and (P, n) lengths / truncation flags."""
+def summarise(task, names, rewards, lengths, truncated, n, tool_counts=None):
+    """Figures from (P, n, R) rewards and (P, n) lengths / truncation flags (and an agent's tool counts)."""
     out = {"prompts": rewards.shape[0], "samples_per_prompt": n}
-    for key, (sums, counts) in prompt_stats(task, names, rewards, lengths, truncated, n).items():
+    for key, (sums, counts) in prompt_stats(task, names, rewards, lengths, truncated, n, tool_counts).items():
         out[key] = (sums.sum() / counts.sum()).item()  # 0/0 = NaN: a reward that never applied
     out["length/median"] = lengths.float().median().item()
     out["length/max"] = lengths.max().item()

@@ -15,7 +15,8 @@ import torch
 
 from minigdpo import dist
 from minigdpo.sampler import SamplingParams
-from rewards import RewardScorer, encode_prompt
+from minigdpo.scoring import RewardScorer
+from rewards import encode_prompt
 
 
 @contextmanager
@@ -47,6 +48,7 @@ class Rollout:
     failures: list             # every rank's scorer failures, {reward: {kind: n}}
     stats: dict = field(default_factory=dict)  # sampling/... (dynamic sampling's rounds)
     tools: dict = field(default_factory=dict)  # the tool loop's counts, every rank's summed (tools.metrics)
+    seconds: dict = field(default_factory=dict)  # what its phases took on this rank (time/generate, ...)
 
 
 def trainer_state(step, cursor, cfg, sizes, num_prompts):
@@ -86,8 +88,11 @@ def rollout(examples, seed, tokenizer, sampler, scorer, cfg, seconds, sleep=Fals
     if sleep:
         sampler.sleep()
     flat = [c for group in groups for c in group]
+    rows = [ex for ex in examples for _ in range(G)]
+    if agent is not None:  # the prompt as the model saw it: what an environment's reset appended included (TRL)
+        rows = [{**ex, "messages": messages} for ex, messages in zip(rows, agent.prompts)]
     with timed(seconds, "reward"):
-        scores, failures = scorer.score(flat, [ex for ex in examples for _ in range(G)], agent and agent.environments)
+        scores, failures = scorer.score(flat, rows, agent and agent.environments)
     for i, c in enumerate(flat):  # log_extra's values travel with their completion (dynamic sampling moves groups)
         c.extra = {column: values[i] for column, values in scorer.extra.items() if i < len(values)}
     rewards = dist.all_gather(scores).view(-1, G, scores.shape[1]).double()          # (B, G, R)

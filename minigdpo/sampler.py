@@ -45,6 +45,7 @@ class Completion:
     tool_mask: list = field(default=None, repr=False)
     messages: list = field(default=None, repr=False)
     prompt_tokens: int = 0
+    tool_counts: tuple = (0, 0)  # a tool loop's rollout: its (calls, failed calls)
 
     @property
     def written(self):
@@ -220,10 +221,10 @@ class HFSampler:
         B = len(prompts)
         # every row keeps a token of its own
         shared = min(common_prefix(prompts), min(len(p) for p in prompts) - 1) if B > 1 and self.full_attention else 0
-        cache = None
+        cache = self._new_cache()
         if shared > 0:
-            out = self.model(input_ids=torch.tensor([prompts[0][:shared]], device=self.device), use_cache=True,
-                             logits_to_keep=1)
+            out = self.model(input_ids=torch.tensor([prompts[0][:shared]], device=self.device), past_key_values=cache,
+                             use_cache=True, logits_to_keep=1)
             cache = out.past_key_values
             cache.batch_repeat_interleave(B)                                # (1, ...) -> (B, ...)
         ids, own = left_pad([p[shared:] for p in prompts], self.pad_id, self.device)  # (B, S)
@@ -232,6 +233,16 @@ class HFSampler:
         out = self.model(input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=cache,
                          use_cache=True, logits_to_keep=1)
         return out.past_key_values, out.logits[:, -1], mask
+
+    def _new_cache(self):
+        """The empty KV cache a generation starts from. Where the model's attention applies no window (layer_windows),
+        a cache of full layers: given none, transformers (5.20, DynamicCache(config=...)) builds one from the config,
+        with sliding layers for a stray `sliding_window` that Llama's or OLMo-2's attention never applies, and such
+        a layer keeps the window's keys against a mask of every position ("The size of tensor a (4) must match the
+        size of tensor b (43)"). Elsewhere None: transformers builds it from the config, as the attention reads it."""
+        from transformers import DynamicCache
+
+        return DynamicCache() if self.full_attention else None
 
     def _decode_mask(self, mask):
         """The (N, L) padding mask of one decode step, as SDPA takes it: (N, 1, 1, L), True = attend.

@@ -4,19 +4,24 @@
     --tools mypkg.tools:search,mypkg.tools:fetch     plain functions (or async ones), typed, with Google docstrings
     --environment mypkg.envs:Wordle                  a class; one instance per concurrent rollout, reused
 
-A rollout: the model writes a turn and ends it with its stop token. Its tool calls are parsed (transformers'
-parse_response where the tokenizer has a response_template, else the <tool_call>{json}</tool_call> format of
-Qwen2.5, Qwen3 and Hermes) and run, each rollout's calls in order and the rollouts' side by side; an exception, an
-unknown name or invalid JSON becomes the tool's message, {"error": ...}, and counts as a failure. The tool messages
-enter as the chat template's own tokens: what it writes after the assistant's turn for them and for the next
-generation prompt (`suffix_ids`). What the model wrote is never encoded again: the trainer sees the sampler's
-tokens. The model writes its next turn from those tokens, until a turn calls no tool, --max-tool-calls rounds of
-calls, or the budget: --max-new-tokens counts every token after the prompt, the tools' included, and a tool result
-that would pass it is dropped, which ends the rollout.
+A rollout: the model writes a turn and ends it with its stop token. The turn is parsed as the model's family writes
+tool calls (minigdpo/chat_formats.py: the tokenizer's response_template, or the format its chat template writes),
+with transformers' parse_response, the arguments typed by the tools' schemas; a turn that cannot be parsed, or with
+a call that has no string name, is plain text, and ends the rollout (TRL). Its calls run in order: a sync tool in
+the calling thread (a tool holding a thread-bound object, a sqlite3 connection made at import, works as in TRL),
+the async ones of every rollout together on the run's event loop (minigdpo/scoring.py). A call that raises, names
+no tool, or runs past --tool-timeout becomes the tool's message, {"error": ...}, and counts as a failure; a result
+that is not a string is passed as its text. The tool messages enter as the chat template's own tokens: what it
+writes after the assistant's turn for them and for the next generation prompt (chat_formats.suffix_ids). What the
+model wrote is never encoded again: the trainer sees the sampler's tokens. The model writes its next turn from
+those tokens, until a turn calls no tool, --max-tool-calls rounds of calls, or the budget: --max-new-tokens counts
+every token after the prompt, the tools' included, and a tool result that would pass it is dropped, which ends the
+rollout.
 
 An environment's `reset(**row)` (the row's columns, its prompt included) starts each rollout; a string it returns is
-appended to the last prompt message. Its public methods are that rollout's tools, beside --tools; `get_reward()`,
-where it has one, is one more reward named after its class (rewards get `environments=` too).
+appended to the last prompt message, and the rewards get the prompt so extended (TRL). Its public methods are that
+rollout's tools, beside --tools; `get_reward()`, where it has one, is one more reward named after its class
+(rewards get `environments=` too).
 
 What the trainer gets, a Completion per rollout: every token after its group's prompt, and `tool_mask`, 1 on the
 tokens the model wrote, 0 on the tools' and the template's (and on a rollout's own prompt tokens, where an
@@ -26,26 +31,20 @@ message), and `text`, the final message's content.
 """
 
 import asyncio
-import importlib
 import inspect
-import json
-import re
-from concurrent.futures import ThreadPoolExecutor
 
+from minigdpo import chat_formats, scoring
 from minigdpo.config import ConfigError
 from minigdpo.rollout import add_counts, timed
 from minigdpo.sampler import Completion, SamplingParams, common_prefix
-from rewards import encode_prompt
-from rewards.trl_style import EventLoop, columns
-
-CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)  # Qwen2.5's, Qwen3's and Hermes' calls
+from rewards import encode_prompt, load_object
+from rewards.trl_style import columns
 
 
 def load(spec, what):
-    """The object a `module:name` names; ConfigError in one line where there is none."""
-    module, _, name = spec.partition(":")
+    """The object a `module:name` names (from the working folder too); ConfigError in one line where there is none."""
     try:
-        return getattr(importlib.import_module(module), name)
+        return load_object(spec)
     except (ImportError, AttributeError, ValueError) as e:
         raise ConfigError(f"{what} {spec!r}: cannot load it ({e})") from None
 
@@ -70,13 +69,13 @@ def methods(env):
 
 class Toolbox:
     """What --tools and --environment load, checked before any model: the tools, their schemas (what the chat
-    template renders), the environments' pool, and `own`: {the environment class's name: its get_reward, a reward
-    the run makes}, or {}."""
+    template renders), the environments' pool, and `env_rewards`: {the environment class's name: its get_reward, a
+    reward the run makes}, or {}."""
 
     def __init__(self, tools, environment=""):
         self.tools = [load(spec, "--tools") for spec in tools]
         self.schemas = [schema(fn, spec) for spec, fn in zip(tools, self.tools)]  # every rollout's: one class of env
-        self.factory, self.pool, self.own = None, [], {}
+        self.factory, self.pool, self.env_rewards = None, [], {}
         if environment:
             self.factory = load(environment, "--environment")
             probe = self.factory()  # the pool's first instance
@@ -84,7 +83,7 @@ class Toolbox:
             if not callable(getattr(probe, "reset", None)):
                 raise ConfigError(f"--environment {environment}: {name} has no reset(**row) method")
             self.schemas += [schema(fn, f"{environment}.{fn.__name__}") for fn in methods(probe)]
-            self.own = {name: self.reward()} if callable(getattr(probe, "get_reward", None)) else {}
+            self.env_rewards = {name: self.reward()} if callable(getattr(probe, "get_reward", None)) else {}
 
     def environments(self, n):
         """n instances, made once and reused: one per concurrent rollout (TRL's pool)."""
@@ -102,84 +101,61 @@ class Toolbox:
 
 
 class Agent:
-    """The tool loop over a batch of rollouts (module docstring), with one tokenizer and one Toolbox."""
+    """The tool loop over a batch of rollouts (module docstring), with one tokenizer and one Toolbox. After each
+    batch, `prompts` and `environments` hold each rollout's prompt messages (as reset left them) and environment, in
+    the groups' order: what the rewards get."""
 
-    def __init__(self, toolbox, tokenizer, max_calls, model, context):
-        self.box, self.tok, self.context = toolbox, tokenizer, context
+    def __init__(self, toolbox, tokenizer, max_calls, model, context, timeout=60.0):
+        self.box, self.tok, self.context, self.timeout = toolbox, tokenizer, context, timeout
         self.max_calls = max_calls or float("inf")  # 0: no limit but the budget (TRL's default)
-        self.parser = "template" if getattr(tokenizer, "response_template", None) is not None else "json"
-        self.threads = ThreadPoolExecutor(max_workers=32, thread_name_prefix="minigdpo-tool")
-        self.loop = EventLoop()  # async tools, shared by the rollouts' threads
-        self.environments = None  # the last batch's, one per rollout (what rewards get)
-        check_template(self, model)
+        try:
+            self.format = chat_formats.check(tokenizer, model)  # how this family writes a call: a response_template
+        except chat_formats.TemplateError as e:
+            raise ConfigError(f"--tools: {e}") from None
+        self.prompts, self.environments = None, None
 
     def tools_of(self, env):  # a rollout's callables: --tools and its environment's methods
         return self.box.tools + (methods(env) if env is not None else [])
 
-    def suffix_ids(self, tool_messages):
-        """The template's own tokens after an assistant turn's stop token, for these tool messages and the next
-        generation prompt (TRL's _get_tool_suffix_ids: two renderings of a stand-in conversation, subtracted)."""
-        call = [{"type": "function", "function": {"name": tool_messages[0]["name"], "arguments": {}}}]
-        head = [{"role": "user", "content": "dummy"}, {"role": "assistant", "content": "", "tool_calls": call}]
-        before = self.tok.apply_chat_template(head, tokenize=True, return_dict=False)
-        after = self.tok.apply_chat_template(head + tool_messages, add_generation_prompt=True, tokenize=True,
-                                             return_dict=False)
-        stops = [i for i, t in enumerate(before) if t == self.tok.eos_token_id]
-        before = before[:stops[-1] + 1] if stops else before  # up to the turn's end token: "\n" after it is glue
-        if after[:len(before)] != before:
-            raise ValueError("the chat template does not write earlier messages alike when tool messages follow")
-        return after[len(before):]
-
-    def parse(self, ids, prefix, tools):
-        """(the assistant's message, errors of calls that could not be read) for one turn's tokens."""
-        if self.parser == "template":  # as TRL's parse_response: what cannot be parsed is plain text
-            try:
-                message = self.tok.parse_response(ids, prefix=prefix, tools=tools)
-                message["content"] = (message.get("content") or "").removesuffix(self.tok.eos_token)
-                for call in message.get("tool_calls") or []:
-                    function = call.setdefault("function", call)
-                    function["arguments"] = function.get("arguments") or {}
-                return message, []
-            except (ValueError, TypeError, AttributeError):
-                return {"role": "assistant", "content": self.tok.decode(ids, skip_special_tokens=True)}, []
-        text = self.tok.decode(ids, skip_special_tokens=True)
-        calls, errors = [], []
-        for raw in CALL.findall(text):
-            try:
-                call = json.loads(raw)
-                arguments = call.get("arguments", {})
-                arguments = json.loads(arguments) if isinstance(arguments, str) else arguments
-                if not isinstance(call["name"], str) or not isinstance(arguments, dict):
-                    raise ValueError("a tool call needs a string name and an object of arguments")
-                calls.append({"type": "function", "function": {"name": call["name"], "arguments": arguments}})
-            except (ValueError, KeyError, TypeError, AttributeError) as e:
-                errors.append(f"invalid tool call {raw[:200]!r}: {e}")
-        message = {"role": "assistant", "content": CALL.sub("", text).strip()}
-        return (message | {"tool_calls": calls} if calls else message), errors
-
-    def call(self, tools, calls, errors):
-        """One rollout's calls, in order, as TRL makes them: its tool messages (sync results first, then the async
-        ones, then the calls that could not be read) and {name: [calls, failures]}."""
-        by_name = {fn.__name__: fn for fn in tools}
-        done, waiting = [], []
-        for call in calls:
-            name = call["function"]["name"]
-            try:
-                if name not in by_name:
-                    raise ValueError(f"Tool {name} not found.")
-                result = by_name[name](**call["function"]["arguments"])
-                (waiting if inspect.iscoroutine(result) else done).append((name, result, False))
-            except Exception as e:
-                done.append((name, {"error": str(e)}, True))
+    def call(self, rollouts):
+        """Each rollout's calls, [(tools, calls)], in order: its tool messages (TRL's order: the sync results, then
+        the async ones) and each call's (name, "" or "failures" or "timeouts"). A sync tool runs here, in the calling
+        thread, under the time limit; once one has timed out in this round its later calls fail at once, so a tool
+        that never returns costs one limit a round. The async calls of every rollout run together on the event loop."""
+        done, waiting, hung = [[] for _ in rollouts], [], set()
+        for i, (tools, calls) in enumerate(rollouts):
+            by_name = {fn.__name__: fn for fn in tools}
+            for call in calls:
+                name = call["function"]["name"]
+                try:
+                    if name not in by_name:
+                        raise ValueError(f"Tool {name} not found.")
+                    if name in hung:
+                        raise scoring.TimeUp
+                    with scoring.time_limit(self.timeout):
+                        result = by_name[name](**call["function"]["arguments"])
+                    if inspect.iscoroutine(result):
+                        waiting.append((i, name, result))
+                    else:
+                        done[i].append((name, result, ""))
+                except scoring.TimeUp:
+                    hung.add(name)
+                    done[i].append((name, {"error": f"{name} timed out after {self.timeout:g} s"}, "timeouts"))
+                except Exception as e:
+                    done[i].append((name, {"error": str(e)}, "failures"))
         if waiting:
-            async def gather():
-                return await asyncio.gather(*(c for _, c, _ in waiting), return_exceptions=True)
-            done += [(name, {"error": str(r)}, True) if isinstance(r, Exception) else (name, r, False)
-                     for (name, *_), r in zip(waiting, self.loop.run(gather()))]
-        done += [("unknown", {"error": error}, True) for error in errors]
-        counts = add_counts({f"calls/{name}": 1, f"failures/{name}": int(failed)} for name, _, failed in done)
-        return [{"role": "tool", "name": n, "content": r if isinstance(r, list) else str(r)} for n, r, _ in done], \
-            counts
+            for (i, name, _), r in zip(waiting, scoring.loop().run(self.gather([c for *_, c in waiting]))):
+                timed_out = isinstance(r, asyncio.TimeoutError)
+                failed = {"error": f"{name} timed out after {self.timeout:g} s" if timed_out else str(r)}
+                done[i].append((name, failed, "timeouts" if timed_out else "failures") if isinstance(r, BaseException)
+                               else (name, r, ""))
+        return [[{"role": "tool", "name": name, "content": r if isinstance(r, str) else str(r)} for name, r, _ in part]
+                for part in done], [[(name, kind) for name, _, kind in part] for part in done]
+
+    async def gather(self, coroutines):
+        """The async calls side by side, each under the time limit; exceptions returned, not raised."""
+        return await asyncio.gather(*(asyncio.wait_for(c, self.timeout or None) for c in coroutines),
+                                    return_exceptions=True)
 
     def rollouts(self, examples, n, params, sampler, max_prompt_len, seconds):
         """n rollouts of each example: (one prompt per group, their token ids; the groups, n Completions each;
@@ -188,32 +164,35 @@ class Agent:
         rows = [ex for ex in examples for _ in range(n)]
         envs = self.box.environments(N) if self.box.factory else [None] * N
         self.environments = envs if self.box.factory else None
-        messages = [list(ex["messages"]) for ex in rows]
+        self.prompts = [list(ex["messages"]) for ex in rows]
         for i, (env, row) in enumerate(zip(envs, rows)):
             shown = env.reset(prompt=row["messages"], **{c: row[c] for c in columns(row)}) if env else None
             if isinstance(shown, str):  # TRL: appended to the last prompt message's content
-                messages[i][-1] = {**messages[i][-1], "content": messages[i][-1]["content"] + shown}
-        own = [encode_prompt(self.tok, m, max_prompt_len, self.box.schemas or None) for m in messages]
-        shared = [own[g * n][:common_prefix(own[g * n:(g + 1) * n])] for g in range(len(examples))]
+                self.prompts[i][-1] = {**self.prompts[i][-1], "content": self.prompts[i][-1]["content"] + shown}
+        prompt_ids = [encode_prompt(self.tok, m, max_prompt_len, self.box.schemas or None) for m in self.prompts]
+        shared = [prompt_ids[g * n][:common_prefix(prompt_ids[g * n:(g + 1) * n])] for g in range(len(examples))]
         with timed(seconds, "generate"):
-            if all(len(p) == len(shared[i // n]) for i, p in enumerate(own)):
-                first = [c for group in sampler.generate(shared, n, params) for c in group]
+            if all(len(p) == len(shared[i // n]) for i, p in enumerate(prompt_ids)):
+                first_turns = [c for group in sampler.generate(shared, n, params) for c in group]
             else:  # an environment made a group's prompts differ: each its own
-                first = [g[0] for g in sampler.generate(own, 1, params)]
-        state = [{"ids": [], "mask": [], "logp": [], "messages": [], "turns": 0} for _ in range(N)]
-        active, counts = self.extend(state, range(N), first, own), {}
+                first_turns = [g[0] for g in sampler.generate(prompt_ids, 1, params)]
+        state = [{"ids": [], "mask": [], "logp": [], "messages": [], "turns": 0, "calls": 0, "failed": 0}
+                 for _ in range(N)]
+        active, counts = self.extend(state, range(N), first_turns, prompt_ids), {}
         rounds = 0
         while active and rounds < self.max_calls:
             with timed(seconds, "tools"):
-                jobs = [self.threads.submit(self.call, self.tools_of(envs[i]), *state[i].pop("pending"))
-                        for i in active]
-                results = [job.result() for job in jobs]
-            going, counts = [], add_counts([counts] + [used for _, used in results])
-            for i, (tool_messages, _) in zip(active, results):
-                suffix = self.suffix_ids(tool_messages)
+                results, kinds = self.call([(self.tools_of(envs[i]), state[i].pop("pending")) for i in active])
+            going, counts = [], add_counts([counts] + [{f"calls/{name}": 1, f"failures/{name}": int(bool(kind)),
+                                                        f"timeouts/{name}": int(kind == "timeouts")}
+                                                       for part in kinds for name, kind in part])
+            for i, tool_messages, part in zip(active, results, kinds):
                 s = state[i]
+                s["calls"] += len(part)  # made, whether or not their results fit the budget (TRL counts them)
+                s["failed"] += sum(bool(kind) for _, kind in part)
+                suffix = chat_formats.suffix_ids(self.tok, tool_messages)
                 if len(s["ids"]) + len(suffix) > params.max_new_tokens or \
-                        len(own[i]) + len(s["ids"]) + len(suffix) >= self.context:
+                        len(prompt_ids[i]) + len(s["ids"]) + len(suffix) >= self.context:
                     continue  # past the budget: the results are dropped and the rollout ends (TRL)
                 s["ids"] += suffix
                 s["mask"] += [0] * len(suffix)
@@ -228,15 +207,15 @@ class Agent:
                                                                       for i in going],
                                   seed=(params.seed + 1_000_000_009 * rounds) % 2**62, ignore_eos=params.ignore_eos)
             with timed(seconds, "generate"):
-                more = [g[0] for g in sampler.generate([own[i] + state[i]["ids"] for i in going], 1, turn)]
-            active = self.extend(state, going, more, own)
-        groups = [[self.completion(state[i], own[i], len(shared[i // n]), first[i]) for i in range(g * n, (g + 1) * n)]
-                  for g in range(len(examples))]
+                more = [g[0] for g in sampler.generate([prompt_ids[i] + state[i]["ids"] for i in going], 1, turn)]
+            active = self.extend(state, going, more, prompt_ids)
+        groups = [[self.completion(state[i], prompt_ids[i], len(shared[i // n]), first_turns[i])
+                   for i in range(g * n, (g + 1) * n)] for g in range(len(examples))]
         return shared, groups, counts | {"rollouts": N, "turns": sum(s["turns"] for s in state),
                                          "tool_tokens": sum(len(s["mask"]) - sum(s["mask"]) for s in state),
                                          "tokens": sum(len(s["mask"]) for s in state)}
 
-    def extend(self, state, which, turns, own):
+    def extend(self, state, which, turns, prompt_ids):
         """Append each rollout's new turn (its tokens, masked 1, and its parsed message); returns the rollouts whose
         turn called a tool, with their calls pending."""
         calling = []
@@ -245,60 +224,34 @@ class Agent:
             s["last"], s["turns"] = c, s["turns"] + 1
             if not c.token_ids:
                 continue
-            message, errors = self.parse(c.token_ids, own[i] + s["ids"], self.box.schemas or None)
+            message = chat_formats.parse(self.tok, self.format, c.token_ids, prompt_ids[i] + s["ids"],
+                                         self.box.schemas or None)
             s["ids"] += c.token_ids
             s["mask"] += [1] * len(c.token_ids)
             s["logp"] += c.logprobs
             s["messages"].append(message)
-            if message.get("tool_calls") or errors:
-                s["pending"] = (message.get("tool_calls") or [], errors)
+            if message.get("tool_calls"):
+                s["pending"] = message["tool_calls"]
                 calling.append(i)
         return calling
 
-    def completion(self, s, own, shared, first):
+    def completion(self, s, prompt_ids, shared, first_turn):
         """A rollout as the trainer takes it: its own prompt's tail (masked) and every token it added; cut short
         (finish_reason "length") where it ends on tool tokens with no budget left for a turn, as TRL counts it."""
-        tail = own[shared:]
-        finish = "length" if s["mask"][-1:] == [0] else s.get("last", first).finish_reason
+        tail = prompt_ids[shared:]
+        finish = "length" if s["mask"][-1:] == [0] else s.get("last", first_turn).finish_reason
         final = next((m["content"] for m in reversed(s["messages"]) if m["role"] == "assistant"), "")
         return Completion(tail + s["ids"], [0.0] * len(tail) + s["logp"], finish, final,
-                          tool_mask=[0] * len(tail) + s["mask"], messages=s["messages"], prompt_tokens=len(tail))
+                          tool_mask=[0] * len(tail) + s["mask"], messages=s["messages"], prompt_tokens=len(tail),
+                          tool_counts=(s["calls"], s["failed"]))
 
 
 def metrics(counts):
     """A step's tool metrics from every rank's counts (Agent.rollouts): TRL's tools/call_frequency (calls per
     rollout) and tools/failure_frequency (failures per call), the turns per rollout, the tools' and the template's
-    share of the tokens after the prompt, and each tool's calls and failures."""
+    share of the tokens after the prompt, and each tool's calls, failures and timeouts."""
     calls, failures = (sum(v for k, v in counts.items() if k.startswith(f"{kind}/")) for kind in ("calls", "failures"))
     n = max(counts.get("rollouts", 0), 1)
     return {"tools/call_frequency": calls / n, "tools/failure_frequency": failures / max(calls, 1), "tools/turns_mean":
             counts["turns"] / n, "tools/token_frac": counts["tool_tokens"] / max(counts["tokens"], 1)} | {
         f"tools/{k.split('/', 1)[1]}/{k.split('/')[0]}": v for k, v in counts.items() if "/" in k} if counts else {}
-
-
-def check_template(agent, model):
-    """At start, with a stand-in call: the chat template writes a tool-calling conversation (TRL's
-    supports_tool_calling), the agent reads the call back from the tokens it writes, and the tool messages' own
-    tokens can be cut out of a rendering. ConfigError, naming the model, otherwise."""
-    tok = agent.tok
-    call = {"type": "function", "function": {"name": "tool_a8f3", "arguments": {"arg_b9d4": "val_d6e7"}}}
-    talk = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "", "tool_calls": [call]},
-            {"role": "tool", "name": "tool_a8f3", "content": "content_c4f9"}]
-    try:
-        text = tok.apply_chat_template(talk, tokenize=False)
-        ok = all(s in text for s in ("tool_a8f3", "arg_b9d4", "val_d6e7", "content_c4f9"))
-    except Exception:
-        ok = False
-    if not ok:
-        raise ConfigError(f"--tools: the chat template of {model} cannot write a tool-calling conversation (a tool "
-                          "call and its result): use a model whose template takes tools")
-    prefix = tok.apply_chat_template(talk[:1], add_generation_prompt=True, tokenize=True, return_dict=False)
-    whole = tok.apply_chat_template(talk[:2], tokenize=True, return_dict=False)
-    message, _ = agent.parse(whole[len(prefix):], prefix, None) if whole[:len(prefix)] == prefix else ({}, [])
-    if [c["function"] for c in message.get("tool_calls") or []] != [call["function"]]:
-        raise ConfigError(f"--tools: the tool calls {model}'s chat template writes cannot be read back: it has no "
-                          "response_template, and they are not <tool_call>{json}</tool_call>")
-    try:
-        agent.suffix_ids(talk[2:])
-    except ValueError as e:
-        raise ConfigError(f"--tools: {model}: {e}") from None

@@ -58,7 +58,8 @@ def aggregation(name):
 
 
 def policy_loss(logp, old_logp, ref_logp, advantages, mask, *, clip_low=0.2, clip_high=0.2, beta=0.04,
-                agg="micro_batch_token_mean", norm=None, sampler_logp=None, importance_sampling_cap=0.0):
+                agg="micro_batch_token_mean", norm=None, sampler_logp=None, importance_sampling_cap=0.0,
+                importance_sampling_level="token"):
     """Return (loss, metrics) for one micro-batch: a pure function of its tensors. With --num-iterations 1 old_logp is
     logp detached: the ratio is 1, the clip never binds (the gradient is adv * grad(logp)); it acts from a 2nd pass.
 
@@ -67,9 +68,11 @@ def policy_loss(logp, old_logp, ref_logp, advantages, mask, *, clip_low=0.2, cli
     micro_batch_token_mean (after its own token mean), tokens for token_mean, sequences for
     seq_mean_token_mean, sequences x max_len for seq_mean_token_sum_norm; default, this micro-batch alone.
     importance_sampling_cap > 0 multiplies the surrogate (not the KL) by the truncated importance weight
-    min(exp(old_logp - sampler_logp), importance_sampling_cap), which corrects for the
-    sampler/trainer mismatch (Yao et al., 2025). Metrics are 0-dim tensors (no host sync): sums over
-    this micro-batch's valid tokens, except ratio_min and ratio_max.
+    min(exp(old_logp - sampler_logp), importance_sampling_cap), which corrects for the sampler/trainer mismatch
+    (Yao et al., 2025) and, old_logp being the proximal policy's, for stale sampler weights too: the decoupled
+    objective of asynchronous training (AReaL; docs/estimators.md). importance_sampling_level "sequence" gives every
+    token of a sequence its sequence's weight, exp of the summed log-ratio (TRL's sequence_truncate). Metrics are
+    0-dim tensors (no host sync): sums over this micro-batch's valid tokens, except ratio_min and ratio_max.
     """
     agg = aggregation(agg)
     mask = mask.to(logp.dtype)                                      # (N, T)
@@ -78,7 +81,13 @@ def policy_loss(logp, old_logp, ref_logp, advantages, mask, *, clip_low=0.2, cli
     clipped = torch.clamp(ratio, 1 - clip_low, 1 + clip_high)       # (N, T)
     pg = -torch.min(ratio * adv, clipped * adv)                     # (N, T)
     if importance_sampling_cap:
-        pg = pg * torch.exp(old_logp - sampler_logp).clamp(max=importance_sampling_cap)  # (N, T)
+        log_w = (old_logp - sampler_logp) * mask                    # (N, T) pi_old / mu, in logs
+        if importance_sampling_level == "sequence":
+            log_w = log_w.sum(dim=1, keepdim=True).expand_as(log_w) # (N, T) the sequence's, on each of its tokens
+        raw = torch.exp(log_w)                                      # (N, T)
+        is_weight = raw.clamp(max=importance_sampling_cap)          # (N, T)
+        is_clipped = raw > importance_sampling_cap                  # (N, T)
+        pg = pg * is_weight                                         # (N, T)
     per_token = pg                                                  # (N, T)
     if beta != 0.0:
         delta = ref_logp - logp                                     # (N, T)
@@ -107,6 +116,8 @@ def policy_loss(logp, old_logp, ref_logp, advantages, mask, *, clip_low=0.2, cli
             "ratio_min": ratio.masked_fill(~m, float("inf")).min(),
             "ratio_max": ratio.masked_fill(~m, float("-inf")).max(),
             "kl": (kl * mask).sum() if beta != 0.0 else torch.zeros((), device=logp.device),
+            "is_weight": (is_weight * mask).sum() if importance_sampling_cap else mask.sum(),  # 1 per token when off
+            "is_clipped": (is_clipped & m).sum() if importance_sampling_cap else torch.zeros((), device=logp.device),
         }
     return loss, metrics
 
@@ -123,7 +134,8 @@ def fill_logprobs(model, batches, key, cfg, reshard=False):
 
 # The update --------------------------------------------------------------------------------------
 
-UPDATE_SUMS = ("tokens", "loss", "pg_loss", "kl", "clip_low", "clip_high", "ratio", "entropy", "gap")
+UPDATE_SUMS = ("tokens", "loss", "pg_loss", "kl", "clip_low", "clip_high", "ratio", "entropy", "gap", "is_weight",
+               "is_clipped")
 
 
 def normaliser(batches, cfg):
@@ -157,7 +169,8 @@ def update(model, opt, sched, batches, cfg):
             old = logp.detach() if mb.old_logp is None else mb.old_logp  # 1 iteration: the sampling policy is this one
             loss, stats = policy_loss(logp, old, mb.ref_logp, mb.adv, mb.mask, clip_low=cfg.clip_low,
                                       clip_high=cfg.clip_high, beta=cfg.beta, agg=agg, norm=norm,
-                                      sampler_logp=mb.sampler_logp, importance_sampling_cap=cfg.importance_sampling_cap)
+                                      sampler_logp=mb.sampler_logp, importance_sampling_cap=cfg.importance_sampling_cap,
+                                      importance_sampling_level=cfg.importance_sampling_level)
             loss.backward()
             if it == 0:
                 stats |= {"loss": loss.detach(), "entropy": (entropy * mb.mask).sum(),
@@ -249,7 +262,8 @@ def step_metrics(totals):
             "loss/ratio_min": dist.all_reduce(totals["ratio_min"].float(), op="min").item(),
             "loss/ratio_max": dist.all_reduce(totals["ratio_max"].float(), op="max").item(),
             "entropy": sums["entropy"] / tokens, "grad_norm": totals["grad_norm"].item(),
-            "sampler/logp_gap": sums["gap"] / tokens, "loss/skipped_steps": int(totals["skipped_steps"].item())}
+            "sampler/logp_gap": sums["gap"] / tokens, "loss/skipped_steps": int(totals["skipped_steps"].item()),
+            "async/is_weight_mean": sums["is_weight"] / tokens, "async/is_clipped_frac": sums["is_clipped"] / tokens}
 
 
 def throughput(batches, model, cfg, flops_per_token, attention_flops, seconds):

@@ -18,27 +18,20 @@ the ground truth under the keys its rewards read. A reward is a plain function
 Built-in rewards and tasks are registered here, in one place, by name; `get("module:function")`
 also loads a user's own reward (`--rewards correct,mypkg.rewards:polite`: docs/tasks.md, "Your own reward").
 
-A reward that raises, runs past its time limit, or returns something that is not a finite number counts as None
-(NaN in the tensor, which each estimator treats by its own rule: the per-reward ones leave it out of its group,
-grpo, grpo_no_std and saw_grpo add it as 0; minigdpo/advantages.py), is counted in the metrics, and is warned
-about once; training goes on. What stops a run is a TRL-style reward that breaks its contract (the wrong number or
-kind of values, rewards/trl_style.py): every rank stops with one line and exit status 2, before any update.
+The trainer calls them through its scorer (minigdpo/scoring.py): a reward that raises, runs past its time limit, or
+returns something that is not a finite number counts as None (NaN in the tensor, which each estimator treats by its
+own rule: the per-reward ones leave it out of its group, grpo, grpo_no_std and saw_grpo add it as 0;
+minigdpo/advantages.py), is counted in the metrics, and is warned about once; training goes on. What stops a run:
+a TRL-style reward that breaks its contract (the wrong number or kind of values, rewards/trl_style.py), and a reward
+model that cannot score (rewards/reward_model.py): every rank stops with one line and exit status 2.
 """
 
 import importlib
-import inspect
-import math
-import numbers
+import os
 import random
-import signal
 import sys
-import threading
-import time
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Callable, Optional
-
-import torch
 
 from minigdpo.data import DataError
 from rewards import reward_model, trl_style
@@ -141,243 +134,29 @@ def get(name):
         return Reward(name, scorer, scorer.prepare)
     if ":" not in name and name not in BUILTIN:
         raise ValueError(f"unknown reward {name!r}; registered: {', '.join(names())}")
-    module, _, attr = BUILTIN.get(name, name).partition(":")
     try:
-        fn = getattr(importlib.import_module(module), attr)
+        fn = load_object(BUILTIN.get(name, name))
     except (ImportError, AttributeError) as e:
         raise ValueError(f"cannot load reward {name!r}: {e}") from None
     return Reward(name, fn, getattr(fn, "prepare", None), trl_style.is_batched(fn))
 
 
+def load_object(spec):
+    """What `module.path:name` names (a reward, a tool, an environment), the module found in the working folder too,
+    as `python -c` finds one: `--tools mytools:add` run beside mytools.py. The folder comes last, after the installed
+    packages, so a file there never shadows one."""
+    module, _, name = spec.partition(":")
+    if os.getcwd() not in sys.path:
+        sys.path.append(os.getcwd())
+    return getattr(importlib.import_module(module), name)
+
+
+def metric_names(specs):
+    """What the metrics call each reward: a `module:function` by its function, as TRL names a reward
+    (reward/<function>/mean), and by its whole spec where two functions share a name; the others as given."""
+    short = [s.rpartition(":")[2] if ":" in s and not s.startswith("model:") else s for s in specs]
+    return [n if short.count(n) == 1 else s for n, s in zip(short, specs)]
+
+
 def names():
     return sorted(BUILTIN)
-
-
-# The scorer ------------------------------------------------------------------------------------
-
-class RewardTimeout(BaseException):
-    """Raised inside a reward that runs too long. A BaseException, so `except Exception` in
-    reward code cannot swallow it."""
-
-
-@contextmanager
-def _alarm_handler():
-    """Install a SIGALRM handler for the duration of a batch (main thread on POSIX only)."""
-    if not hasattr(signal, "setitimer") or threading.current_thread() is not threading.main_thread():
-        yield False
-        return
-
-    def on_alarm(signum, frame):
-        raise RewardTimeout
-
-    previous = signal.signal(signal.SIGALRM, on_alarm)
-    try:
-        yield True
-    finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, previous)
-
-
-class InvalidReward(ValueError):
-    """A reward returned something that is not a finite number or None."""
-
-
-def _as_float(value):
-    """A finite float, or None for "does not apply"; raises InvalidReward otherwise."""
-    if value is None:
-        return None
-    if isinstance(value, torch.Tensor) and value.numel() == 1:
-        value = value.item()
-    if not isinstance(value, numbers.Real):
-        raise InvalidReward(f"returned {type(value).__name__}, not a number")
-    value = float(value)
-    if not math.isfinite(value):
-        raise InvalidReward(f"returned {value}")
-    return value
-
-
-class RewardScorer:
-    """Scores a batch of completions with a fixed list of rewards.
-
-    scorer = RewardScorer(["format", "correct"], timeout=10.0)
-    rewards, stats = scorer(completions, examples, completion_tokens)
-    # rewards (N, R) float64, NaN where a reward gave None or failed
-    # stats[name] = {"errors", "timeouts", "invalid", "none": counts, "seconds": time spent}
-
-    `timeout` bounds each completion's call (seconds, None for no limit); a TRL-style reward, called once for the
-    whole batch, gets `timeout` times the completions in the call. Once a per-completion reward has timed out
-    `max_timeouts` times in one batch, its remaining samples in that batch are skipped as None, so a reward that
-    always hangs costs at most timeout * max_timeouts per step.
-    """
-
-    KINDS = ("errors", "timeouts", "invalid", "none")
-    ADDED = KINDS + ("truncated", "model_seconds")  # added up over batches and ranks; a reward model adds these two
-
-    def __init__(self, reward_names, timeout=10.0, max_timeouts=3, own=None):
-        """own: {name: function} for rewards the run makes itself (an environment's get_reward, TRL-style)."""
-        own = own or {}
-        self.rewards = [Reward(n, own[n], batched=True) if n in own else get(n) for n in reward_names]
-        self.names = list(reward_names)
-        self.timeout = timeout
-        self.max_timeouts = max_timeouts
-        self._warned = set()
-        self.trainer_state, self.extra = None, {}  # what a TRL-style reward gets as trainer_state; its log_extra
-        self._loop = None  # the async rewards' event loop, made at the first one and kept (trl_style.EventLoop)
-
-    def place_models(self, device, dtype, batch_size=8, placement="auto", shard_build=None):
-        """Load the reward models' weights on the trainer's device, in its dtype, before any is needed (train.py;
-        eval.py's scorer places them on first use). shard_build: see reward_model.ModelReward.place."""
-        for reward in self.rewards:
-            if isinstance(reward.fn, reward_model.ModelReward):
-                reward.fn.place(device, dtype, batch_size, placement, shard_build)
-
-    def check_conversation(self, messages):
-        """Refuse (RewardModelError) a reward model whose template cannot write a conversation of this shape."""
-        for reward in self.rewards:
-            if isinstance(reward.fn, reward_model.ModelReward):
-                reward.fn.rm.check_conversation(messages)
-
-    @classmethod
-    def merge(cls, parts):
-        """Stats of several batches or ranks as one: counts add up; a reward model's memory is the largest."""
-        out = {}
-        for part in parts:
-            for name, s in part.items():
-                merged = out.setdefault(name, dict.fromkeys(cls.KINDS, 0))
-                for key, value in s.items():
-                    if key in cls.ADDED:
-                        merged[key] = merged.get(key, 0) + value
-                    elif key == "model_gib":
-                        merged[key] = max(merged.get(key, 0.0), value)
-                    elif key == "error":  # a broken contract (trl_style.RewardError): the first rank's message
-                        merged[key] = merged.get(key) or value
-                    elif key.startswith("metric/"):  # a TRL-style reward's log_metric: (sum, count)
-                        total, count = merged.get(key, (0.0, 0))
-                        merged[key] = (total + value[0], count + value[1])
-        return out
-
-    @staticmethod
-    def check(merged):
-        """Raise RewardError, on every rank alike, where a reward broke its contract on any rank (merged stats)."""
-        for s in merged.values():
-            if s.get("error"):
-                raise RewardError(s["error"])
-
-    def _warn(self, name, kind, detail):
-        if (name, kind) not in self._warned:
-            self._warned.add((name, kind))
-            print(f"warning: reward {name!r} {detail}; counted as None (shown once per reward)", file=sys.stderr)
-
-    @contextmanager
-    def _time_limit(self, can_time_out, calls=1):
-        """The block runs under --reward-timeout times `calls` completions (RewardTimeout past it), where the alarm
-        handler is installed."""
-        arm = can_time_out and bool(self.timeout)
-        if arm:
-            signal.setitimer(signal.ITIMER_REAL, self.timeout * calls)
-        try:
-            yield
-        finally:
-            if arm:
-                signal.setitimer(signal.ITIMER_REAL, 0)
-
-    def _call(self, reward, completion, example, can_time_out):
-        """One reward on one sample -> (kind, value), kind "ok" or one of KINDS."""
-        try:
-            with self._time_limit(can_time_out):
-                value = reward.fn(completion, example)
-            value = _as_float(value)
-        except RewardTimeout:
-            self._warn(reward.name, "timeouts", f"ran past its {self.timeout:g} s limit")
-            return "timeouts", None
-        except InvalidReward as e:
-            self._warn(reward.name, "invalid", str(e))
-            return "invalid", None
-        except Exception as e:
-            self._warn(reward.name, "errors", f"raised {type(e).__name__}: {e}")
-            return "errors", None
-        return ("none", None) if value is None else ("ok", value)
-
-    def _call_each(self, reward, column, s, texts, examples, can_time_out):
-        """A per-completion reward on each sample, its values written into column (N,), its failures counted in s."""
-        for i in range(len(texts)):
-            if s["timeouts"] >= self.max_timeouts:
-                s["timeouts"] += 1
-                continue
-            kind, value = self._call(reward, texts[i], examples[i], can_time_out)
-            if kind == "ok":
-                column[i] = value
-            else:
-                s[kind] += 1
-
-    def _call_batched(self, reward, column, s, texts, examples, completion_ids, can_time_out, agent):
-        """A TRL-style reward on the whole batch (rewards/trl_style.py), its values written into column (N,); agent:
-        (messages, environments) of a tool loop's rollouts, or Nones."""
-        N, metrics = len(texts), {}
-        ids = completion_ids if completion_ids is not None else [[] for _ in texts]
-        try:
-            with self._time_limit(can_time_out, N):
-                result = reward.fn(**trl_style.arguments(texts, examples, ids, self.trainer_state, metrics, self.extra,
-                                                         *agent))
-                if inspect.iscoroutine(result):
-                    self._loop = self._loop or trl_style.EventLoop()
-                    result = self._loop.run(result)
-                got, s["invalid"] = trl_style.values(reward.name, result, N)
-        except RewardError as e:
-            s["error"], got = str(e), [None] * N
-        except RewardTimeout:
-            self._warn(reward.name, "timeouts", f"ran past its limit on a batch ({self.timeout:g} s x {N} completions)")
-            s["timeouts"], got = N, [None] * N
-        except Exception as e:
-            self._warn(reward.name, "errors", f"raised {type(e).__name__}: {e}")
-            s["errors"], got = N, [None] * N
-        if s["invalid"]:
-            self._warn(reward.name, "invalid", "returned a value that is not finite")
-        s["none"] = sum(v is None for v in got) - s["invalid"] - s["errors"] - s["timeouts"]
-        s.update({f"metric/{k}": v for k, v in metrics.items()})
-        column.copy_(torch.tensor([math.nan if v is None else v for v in got], dtype=torch.float64))
-
-    def score(self, completions, examples, environments=None):
-        """__call__ on a sampler's Completions (minigdpo/sampler.py): their final texts, the lengths of what the model
-        wrote, every token after each one's own prompt, and a tool loop's conversations and environments."""
-        agent = any(c.messages is not None for c in completions)
-        return self([c.text for c in completions], examples, [c.written for c in completions],
-                    [c.token_ids[c.prompt_tokens:] for c in completions],
-                    [c.messages for c in completions] if agent else None, environments)
-
-    def __call__(self, completions, examples, completion_tokens=None, completion_ids=None, messages=None,
-                 environments=None):
-        """completion_ids (token id lists) give completion_tokens too, unless given. A tool loop's rollouts come with
-        their messages and environments (what TRL-style rewards get; minigdpo/tools.py). A broken contract is not
-        raised here, where the other ranks would wait in the next collective, but returned in the stats (check()
-        raises it once every rank's stats are merged)."""
-        N, R = len(completions), len(self.rewards)
-        if len(examples) != N:
-            raise ValueError(f"{N} completions but {len(examples)} examples")
-        if completion_ids is not None and completion_tokens is None:
-            completion_tokens = [len(ids) for ids in completion_ids]
-        if completion_tokens is not None:
-            examples = [{**ex, "completion_tokens": int(n)} for ex, n in zip(examples, completion_tokens)]
-        self.extra = {}  # a TRL-style reward's log_extra columns, this call's
-        out = torch.full((N, R), math.nan, dtype=torch.float64)    # (N, R)
-        stats = {name: dict.fromkeys(self.KINDS, 0) for name in self.names}
-        reward_model.new_batch()
-        with _alarm_handler() as can_time_out:
-            for k, reward in enumerate(self.rewards):
-                t0 = time.perf_counter()
-                s = stats[reward.name]
-                if reward.prepare is not None:
-                    try:
-                        reward.prepare(completions, examples)
-                        s.update(getattr(reward.fn, "stats", {}))  # a reward model's truncations and memory
-                    except reward_model.RewardModelError:  # a reward model that cannot score stops the run
-                        raise
-                    except Exception as e:  # the per-sample calls still run without the batch cache
-                        self._warn(reward.name, "prepare", f"batch hook raised {type(e).__name__}: {e}")
-                if reward.batched:
-                    self._call_batched(reward, out[:, k], s, completions, examples, completion_ids, can_time_out,
-                                       (messages, environments))
-                else:
-                    self._call_each(reward, out[:, k], s, completions, examples, can_time_out)
-                s["seconds"] = time.perf_counter() - t0
-        return out, stats

@@ -119,15 +119,29 @@ class RewardModel:
         limit = self.tokenizer.model_max_length
         self.max_len = limit if limit and limit < 10**7 else getattr(self.config, "max_position_embeddings", 2048)
 
-    def check_conversation(self, messages):
-        """Refuse, in one line, a template that cannot write a conversation of this shape (the task's prompt
-        and an assistant turn): it would fail at every step."""
+    def check_conversation(self, messages, tools=False):
+        """Refuse, in one line, a template that cannot write a conversation of this shape (the task's prompt and an
+        assistant turn; with tools, an assistant's tool call, the tool's message and the final answer, each of which
+        must show in what it writes): it would fail, or score without the calls, at every step."""
+        roles = [m["role"] for m in messages] if isinstance(messages, list) else ["prompt"]
         try:
             self.encode(messages, "42")
         except Exception as e:
             raise RewardModelError(f"reward model {self.spec!r}: its chat template cannot write this task's "
-                                   f"conversation (roles {', '.join(m['role'] for m in messages or [])}, assistant): "
-                                   f"{type(e).__name__}: {e}") from None
+                                   f"conversation (roles {', '.join(roles)}, assistant): {type(e).__name__}: {e}") from None
+        if not tools:
+            return
+        call = {"type": "function", "function": {"name": "tool_a8f3", "arguments": {"arg_b9d4": "val_d6e7"}}}
+        talk = [{"role": "assistant", "content": "", "tool_calls": [call]},
+                {"role": "tool", "name": "tool_a8f3", "content": "content_c4f9"},
+                {"role": "assistant", "content": "42"}]
+        try:
+            text = self.tokenizer.decode(self.encode(messages, "42", talk)[0]) if self.templated else ""
+        except Exception:
+            text = ""
+        if not all(s in text for s in ("tool_a8f3", "arg_b9d4", "val_d6e7", "content_c4f9")):
+            raise RewardModelError(f"reward model {self.spec!r}: its chat template cannot write a tool call and the "
+                                   "tool's result, so it would score an agent's answers without the calls it made")
 
     def place(self, device=None, dtype=None, batch_size=8, placement="resident", shard_build=None):
         """Load the weights where --reward-model-placement says (the module docstring), once. Without a device
@@ -169,11 +183,13 @@ class RewardModel:
         model = AutoModelForSequenceClassification.from_pretrained(self.path, config=self.config, dtype=self.dtype)
         return model.to("cpu" if self.placement == "offload" else self.device).eval().requires_grad_(False)
 
-    def encode(self, messages, completion):
+    def encode(self, messages, completion, conversation=None):
         """(token ids, whether they were cut): the conversation in the reward model's template, cut from the
         left to its limit; or, without a template, the text pair (prompt, completion) with special tokens. A
         standard prompt (a string, rewards/prompts.py) and its completion are one text, as TRL scores them
-        (trl/trainer/grpo_trainer.py:1605-1620)."""
+        (trl/trainer/grpo_trainer.py:1605-1620). An agent's `conversation` (its messages after the prompt: tool
+        calls, tool results, the final answer) is written whole in place of the completion alone, as TRL's reward
+        models see it."""
         if isinstance(messages, str):
             ids = self.tokenizer(messages + completion, add_special_tokens=False).input_ids
             return ids[-self.max_len:], len(ids) > self.max_len
@@ -183,7 +199,8 @@ class RewardModel:
             if len(whole) <= self.max_len:
                 return whole, False
             return self.tokenizer(prompt, completion, truncation="longest_first", max_length=self.max_len).input_ids, True
-        text = self.tokenizer.apply_chat_template(messages + [{"role": "assistant", "content": completion}], tokenize=False)
+        turns = conversation or [{"role": "assistant", "content": completion}]
+        text = self.tokenizer.apply_chat_template(messages + turns, tokenize=False)
         ids = self.tokenizer(text, add_special_tokens=False).input_ids
         return ids[-self.max_len:], len(ids) > self.max_len
 
@@ -203,7 +220,7 @@ class RewardModel:
             dist.reshard(self.model)  # no backward follows: free the root's gathered weights now
         return torch.cat(out) if out else torch.zeros(0, self.config.num_labels, dtype=torch.float64)
 
-    def score_batch(self, completions, examples):
+    def score_batch(self, completions, examples, conversations=None):
         """(logits (N, labels), stats) of one batch, computed once however many specs ask for it."""
         key = (tuple(completions), tuple(id(ex) for ex in examples))
         if self._batch[0] == key:
@@ -211,7 +228,9 @@ class RewardModel:
         self.place()  # a no-op once train.py placed it; eval.py's scorer loads it here
         t0, failure, encoded = time.perf_counter(), None, []
         try:
-            encoded = [self.encode(ex["messages"], c) for c, ex in zip(completions, examples)]
+            conversations = conversations or [None] * len(completions)
+            encoded = [self.encode(ex["messages"], c, talk)
+                       for c, ex, talk in zip(completions, examples, conversations)]
         except Exception as e:
             failure = f"{type(e).__name__}: {e}"
         if self.placement == "shard":  # agreed before any rank enters FSDP's all-gathers, or the others would wait
@@ -280,9 +299,10 @@ class ModelReward:
             return int(label)
         raise RewardModelError(f"reward model has no label {label!r}; its labels: {', '.join(map(str, names))}")
 
-    def prepare(self, completions, examples):
-        """The scorer's batch hook: score every (prompt, completion) of the batch at once."""
-        logits, self.stats = self.rm.score_batch(completions, examples)    # (N, labels)
+    def prepare(self, completions, examples, conversations=None):
+        """The scorer's batch hook: score every (prompt, completion) of the batch at once (an agent's: the prompt and
+        its whole conversation)."""
+        logits, self.stats = self.rm.score_batch(completions, examples, conversations)    # (N, labels)
         if self.kind == "prob" and logits.shape[-1] > 1:
             logits = logits.sigmoid() if self.multi_label else logits.softmax(-1)
         scores = logits[:, self.column]                                    # (N,)

@@ -16,19 +16,18 @@ per completion, in the order of the completions:
   written beside the completions in samples.jsonl.
 It returns one number or None ("does not apply": NaN in the rewards, which each estimator treats by its own rule,
 minigdpo/estimators.py) per completion, as a list, a tuple, a numpy array or a tensor, numpy scalars and booleans
-included, as TRL takes them. An `async def` reward runs on one event loop that lives as long as the scorer (TRL's
-daemon loop), so an asyncio.Semaphore or client made at import keeps working from step to step. A non-finite number
+included, as TRL takes them. An `async def` reward runs on the run's one event loop (TRL's daemon loop;
+minigdpo/scoring.py), the one async tools run on too, so an asyncio.Semaphore or client made at import keeps working
+from step to step, and one that a tool and a judge share is one. A non-finite number
 counts as None, as any reward's does. A result of the wrong length, or a value that is neither a number nor None,
 stops the run in one line on every rank (TRL raises on both); a reward that raises, or runs past its batch's limit
 (--reward-timeout per completion, times the completions in the call), counts every completion of the call as None.
 A row that lacks a column other rows have gives None there, as datasets gives TRL (rewards/prompts.py).
 """
 
-import asyncio
 import inspect
 import math
 import numbers
-import threading
 
 import numpy as np
 import torch
@@ -54,24 +53,6 @@ def is_batched(fn):
         return True
     positional = [p for p in parameters if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
     return len(positional) < 2 and any(p.kind is p.VAR_KEYWORD for p in parameters)
-
-
-class EventLoop:
-    """One asyncio loop on a daemon thread, for as long as its owner lives (TRL's start_event_loop_in_daemon): every
-    async reward or tool runs on it, so what binds to a loop (a semaphore, an HTTP client) binds once."""
-
-    def __init__(self):
-        self.loop = asyncio.new_event_loop()
-        threading.Thread(target=self.loop.run_forever, daemon=True, name="minigdpo-async").start()
-
-    def run(self, coroutine):
-        """The coroutine's result; an exception in the caller's wait (a time limit) cancels it on the loop."""
-        future = asyncio.run_coroutine_threadsafe(coroutine, self.loop)
-        try:
-            return future.result()
-        except BaseException:
-            future.cancel()
-            raise
 
 
 def columns(example):

@@ -12,7 +12,8 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from minigdpo import dist, policy  # noqa: E402
-from rewards import RewardScorer, reward_model  # noqa: E402
+from minigdpo.scoring import RewardScorer  # noqa: E402
+from rewards import reward_model  # noqa: E402
 
 if __name__ == "__main__":
     dist.init()

@@ -14,8 +14,8 @@ function defined inside another. Read with `ast`, never run:
   cell names with parentheses. A `dist.py` wrapper among them (`dist.all_gather()`) calls in turn the torch call
   the cell names with parentheses (`dcp.save()`, `DTensor.full_tensor()`) or else the torch.distributed function
   the cell names first (`all_gather`), twice where the cell says so;
-- no line number of a project file is left (`file.py:123`): only other projects' files, whose lines a release
-  pins, are cited by line, under the prefixes in OTHER_PROJECTS.
+- no line number of a project file is left (`file.py:123`, or a link's `file.py#L123`): only other projects' files,
+  whose lines a release pins, are cited by line, under the prefixes in OTHER_PROJECTS.
 
 Calls are matched by name (and the object they are called on): that `model()` runs FSDP2's hooks, or what a
 collective moves and when, is not checked here (docs/gpus.md says how those were traced).
@@ -36,7 +36,7 @@ NAME = r"[A-Za-z_]\w*(?:\.[A-Za-z_]\w*)*"
 CITE = re.compile(rf"`((?:[\w-]+/)*[\w-]+\.py): ({NAME})\(\)`")                   # `rollout.py: rollout()`
 CALL = re.compile(rf"`({NAME})\(\)`")                                              # `dist.all_gather()`
 CALL_IN = re.compile(rf"`({NAME})\(\)` in ({CITE.pattern}(?:(?:,| and| or|, and|, or) {CITE.pattern})*)")
-LINE = re.compile(r"[\w./-]*\w\.py:\d+")                                           # rollout.py:80
+LINE = re.compile(r"(?<![\w./:-])[\w./-]*\w\.py(?::|#L)\d+")  # rollout.py:80, a link's rollout.py#L80; not a URL's
 DEFS = (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)
 
 

@@ -78,23 +78,32 @@ def test_the_circle_finder_finds_one():
     assert circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
 
 
+# The RL core's budget this round: 6,500 lines. It is the room that lets a new estimator (one function, its twin, one
+# entry: minigdpo/estimators.py) land with no test to edit; a change that would pass it raises it here, on purpose.
+CORE_BUDGET = 6500
+
+
 def test_the_rl_core_stays_within_its_budget():
-    """minigdpo/, train.py and eval.py: at most 5,500 lines, none over 400, no line over 120 characters (README, Reading the code)."""
+    """minigdpo/, train.py and eval.py: at most CORE_BUDGET lines, none over 400, no line over 120 characters."""
     core = glob.glob(os.path.join(ROOT, "minigdpo", "*.py")) + [os.path.join(ROOT, f) for f in ("train.py", "eval.py")]
     lengths = {os.path.relpath(p, ROOT): sum(1 for _ in open(p)) for p in core}
     assert max(lengths.values()) <= 400, {p: n for p, n in lengths.items() if n > 400}
-    assert sum(lengths.values()) <= 5500, sum(lengths.values())
+    assert sum(lengths.values()) <= CORE_BUDGET, sum(lengths.values())
     long = [f"{p}:{i}" for p in core for i, line in enumerate(open(p), 1) if len(line.rstrip("\n")) > 120]
     assert not long, long  # no line over 120 characters: the limit is met by cutting, not by cramming
 
 
-def test_the_readme_points_at_the_lines_it_names():
-    """README's "GDPO in three lines" links each equation to the line of advantages.py that computes it, with that
-    line's code as the link's text (the general rule below checks each one holds it): Eq. 4-6 and the z-score."""
+def test_the_readme_quotes_lines_its_functions_hold():
+    """README's "GDPO in three lines" quotes, for Eq. 4-6 and the z-score, the line of advantages.py that computes
+    each, in the function it cites (`advantages.py: gdpo_group()`, by name, not by line): each function holds it."""
     readme = open(os.path.join(ROOT, "README.md")).read()
-    section = readme.split("### GDPO in three lines", 1)[1].split("The batch step", 1)[0]
-    cited = re.findall(r"\[`([^`]+)`\]\(minigdpo/advantages\.py#L\d+\)", section)
-    assert [c.split(" = ")[0].split("(")[0] for c in cited] == ["a_k", "z", "var", "return ", "a"], cited
+    section = re.sub(r"\s+", " ", readme.split("### GDPO in three lines", 1)[1].split("The batch step", 1)[0])
+    cited = re.findall(r"`([^`]+)` in `(\w+\.py): (\w+)\(\)`", section)
+    assert [c.split(" = ")[0].split("(")[0] for c, _, _ in cited] == ["a_k", "z", "var", "return ", "a"], cited
+    for code, path, name in cited:
+        source = open(os.path.join(ROOT, "minigdpo", path)).read()
+        node = next(n for n in ast.parse(source).body if getattr(n, "name", None) == name)
+        assert code in ast.get_source_segment(source, node), f"`{path}: {name}()` no longer holds {code}"
 
 
 LINK = re.compile(r"\[([^\]]*)\]\(([^)\s]+)\)")

@@ -16,7 +16,8 @@ from safetensors.torch import load_file
 
 from conftest import read_jsonl, refusal, run
 from minigdpo import models
-from rewards import RewardScorer, reward_model
+from minigdpo.scoring import RewardScorer
+from rewards import reward_model
 
 OTHER_TEMPLATE = "{% for m in messages %}{{ '### ' + m['role'] + ': ' + m['content'] + '\n' }}{% endfor %}{{ '<end>' }}"
 MESSAGES = [[{"role": "system", "content": "Answer briefly."}, {"role": "user", "content": "What is 2 + 3?"}],
@@ -382,3 +383,47 @@ def test_a_failure_on_one_rank_stops_every_rank_in_one_line(rms, tmp_path):
     proc = run(["tests/reward_model_ranks.py", path], nproc=2, timeout=120)
     for rank in (0, 1):
         assert f"rank {rank} stopped: reward model" in proc.stdout and "rank 1: TemplateError" in proc.stdout, proc.stdout
+
+
+def test_an_agents_reward_model_scores_the_whole_conversation(tmp_path):
+    """Two rollouts end with the same answer, one through a tool call: the reward model scores each conversation as its
+    own template writes it (the calls and results included), as TRL's reward models see them; a reward model whose
+    template cannot write a tool call is refused in one line before any weights load."""
+    from transformers import AutoTokenizer
+
+    from minigdpo.sampler import Completion
+
+    pytest.importorskip("trl")
+    from trl.chat_template_utils import qwen2_5_chat_template
+
+    path = build_llama(tmp_path / "tool_rm")
+    tok = AutoTokenizer.from_pretrained(path)
+    tok.chat_template = qwen2_5_chat_template  # a template that writes tool calls (TRL's copy of Qwen2.5's)
+    tok.save_pretrained(path)
+    reward_model.forget(f"model:{path}")
+    call = {"type": "function", "function": {"name": "calculate", "arguments": {"expression": "23*45"}}}
+    talks = [[{"role": "assistant", "content": "", "tool_calls": [call]},
+              {"role": "tool", "name": "calculate", "content": "1035"},
+              {"role": "assistant", "content": "<answer>1035</answer>"}],
+             [{"role": "assistant", "content": "<answer>1035</answer>"}]]
+    prompt = [{"role": "user", "content": "What is 23*45?"}]
+    done = [Completion([1], [0.0], "stop", "<answer>1035</answer>", tool_mask=[1], messages=t) for t in talks]
+    scorer = RewardScorer([f"model:{path}"])
+    scorer.check_conversation(prompt, tools=True)
+    out, _ = scorer.score(done, [{"messages": prompt}] * 2)
+    want = [one_at_a_time(path, prompt + t[:-1], t[-1]["content"])[0].item() for t in talks]
+    assert out[:, 0].tolist() == pytest.approx(want, abs=1e-5) and out[0, 0] != out[1, 0]
+
+    plain = build_llama(tmp_path / "plain_rm")  # ChatML that writes only contents: the calls would vanish
+    reward_model.forget(f"model:{plain}")
+    with pytest.raises(reward_model.RewardModelError, match="cannot write a tool call"):
+        RewardScorer([f"model:{plain}"]).check_conversation(prompt, tools=True)
+    import sys
+
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
+    import tiny_agent
+
+    message = refusal(["--preset", "smoke", "--task", "calculator", "--tools", "rewards.calculator:calculate",
+                       "--model", tiny_agent.cached(), "--rewards", f"solved,model:{plain}", "--output-dir",
+                       str(tmp_path / "run")])
+    assert "cannot write a tool call" in message and "\n" not in message

@@ -11,7 +11,7 @@ import pytest
 
 import rewards as registry
 from helpers import RANGES
-from rewards import RewardScorer
+from minigdpo.scoring import RewardScorer
 from rewards.gsm8k import answer_from_solution, correct_reward, format_reward, integer_reward
 from rewards.length import length_ok
 from rewards.toolcall import call_score, overlap, tool_correct, tool_format, tool_format_strict

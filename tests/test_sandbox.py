@@ -143,7 +143,7 @@ def test_nothing_is_left_behind():
 
 def test_reward_timeout_mid_run_cleans_up():
     """A SIGALRM from the reward scorer interrupts a run; the program must still be killed."""
-    from rewards import RewardTimeout
+    from minigdpo.scoring import TimeUp as RewardTimeout
 
     def alarm(signum, frame):
         raise RewardTimeout

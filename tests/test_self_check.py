@@ -1,12 +1,14 @@
 """The fast pass's self-check and its fallback, under what a real run brings: LoRA dropout, configs with stray keys,
 models that ignore logits_to_keep, bf16 rounding over long completions, windows the check's sequences do not reach,
 the fallback's memory, Phi-3's longrope; and the optimizer step a non-finite gradient skips. Each case failed on the
-code of commit fcf090c.
+code of commit fcf090c, the sampler's stray window (through train.py) on that of aadb64c.
 
-Run: pytest tests/test_self_check.py   (seconds)
+Run: pytest tests/test_self_check.py   (about 15 seconds, a 2-step run of train.py among them)
 """
 
+import json
 import math
+import os
 
 import pytest
 import torch
@@ -47,6 +49,27 @@ def test_a_stray_sliding_window_in_a_config_whose_attention_has_none_is_ignored(
     (mb,) = batches(seed=7, pack=True)
     assert check(model, mb) < 1e-5 and model.fast
     torch.testing.assert_close(model(mb, 0.8), naive_logprobs(lm, mb, 0.8), atol=1e-5, rtol=0)
+
+
+def test_train_py_samples_a_llama_whose_config_carries_a_stray_sliding_window(tmp_path):
+    """The HF sampler too, not only the fast pass: transformers 5.20 built the sampler's KV cache with sliding layers
+    from the stray key, which Llama's attention never applies, and train.py crashed in its first generation (a mask
+    of every position against the window's keys). The run ends, and the sampler's log-probs are the trainer's."""
+    from transformers import AutoConfig
+
+    from conftest import read_jsonl, run
+    from minigdpo import models
+
+    path, out = str(tmp_path / "model"), str(tmp_path / "run")
+    models._build_tiny(path)
+    with open(os.path.join(path, "config.json")) as f:
+        config = json.load(f)
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(config | {"sliding_window": 4}, f)  # shorter than every prompt
+    assert AutoConfig.from_pretrained(path).sliding_window == 4  # transformers keeps the stray key
+    run(["train.py", "--preset", "smoke", "--model", path, "--output-dir", out])
+    rows = read_jsonl(os.path.join(out, "metrics.jsonl"))
+    assert [r["step"] for r in rows] == [1, 2] and max(r["sampler/logp_gap"] for r in rows) < 1e-3
 
 
 class SwallowsLogitsToKeep(torch.nn.Module):

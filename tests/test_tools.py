@@ -50,6 +50,12 @@ SCRIPT = {
     "F: sync and async": [[call("shout", text="hi") + "\n" + call("add", a=5, b=6), "done"]],
     "G: a long result": [["x" * 200 + call("calculate", expression="7*191919191919")]],
     "H: a long answer": [[call("calculate", expression="1+1"), "y" * 250]],
+    "I: a call without a name": [['<tool_call>\n{"arguments": {"a": 1}}\n</tool_call>', "never"]],
+    "J: a name that is not a string": [['<tool_call>\n{"name": 3, "arguments": {}}\n</tool_call>', "never"]],
+    "K: a valid and a malformed call": [[call("add", a=1, b=2) + '\n<tool_call>\n{"name": "add", "arg</tool_call>',
+                                         "never"]],
+    "L: a number written as a string": [['<tool_call>\n{"name": "add", "arguments": {"a": "7", "b": 5}}\n</tool_call>',
+                                         "<answer>12</answer>"]],
 }
 
 
@@ -89,8 +95,10 @@ def trl_loop(tok, tool_fns, budget, max_iterations, context=4096):
 
 @pytest.mark.parametrize("max_iterations", [10, 1])
 def test_trls_own_tool_loop_and_ours_give_the_same_tokens_and_mask(qwen_tokenizer, max_iterations):
-    """Eight scripted rollouts: a call, none, an unknown tool, tools that raise, two rounds, sync and async calls
-    in one turn, a result that would pass the budget (dropped) and an answer the budget cuts."""
+    """Twelve scripted rollouts: a call, none, an unknown tool, tools that raise, two rounds, sync and async calls
+    in one turn, a result that would pass the budget (dropped), an answer the budget cuts, calls without a name or
+    with a name that is not a string, a valid call beside a malformed one (all three plain text: TRL's
+    _validate_tool_calls), and an argument the schema types."""
     pytest.importorskip("trl")
     from tool_fixtures import add, broken, shout
 
@@ -123,6 +131,10 @@ def test_trls_own_tool_loop_and_ours_give_the_same_tokens_and_mask(qwen_tokenize
         assert [m["content"] for m in by_key["F: sync and async"].messages if m["role"] == "tool"] == ["11", "HI"]
         assert "Tool nope not found." in by_key["C: unknown tool"].messages[1]["content"]
         assert counts["calls/calculate"] == 4 and counts["failures/calculate"] == 1 and counts["failures/broken"] == 1
+        for key in ("I: a call without a name", "J: a name that is not a string", "K: a valid and a malformed call"):
+            assert len(by_key[key].messages) == 1 and "tool_calls" not in by_key[key].messages[0]  # text: the end
+        assert [m["content"] for m in by_key["L: a number written as a string"].messages if m["role"] == "tool"] == \
+            ["12"]  # typed by the tool's schema: 7 + 5, not "7" + 5
 
 
 def test_a_prompt_whose_tool_schemas_the_prompt_budget_cuts_says_so_once(qwen_tokenizer, capsys, monkeypatch):
@@ -157,29 +169,24 @@ def agent_of(path, tool_specs, environment="", max_calls=0):
     return tools.Agent(tools.Toolbox(tool_specs, environment), models.load_tokenizer(path), max_calls, path, 4096)
 
 
-def test_invalid_json_and_bad_arguments_become_the_tools_error_message(agent_path):
+def test_bad_arguments_become_the_tools_error_message_and_bad_json_plain_text(agent_path):
     agent = agent_of(agent_path, [CALC])
-    assert agent.parser == "json"
     script = {"bad json": [['<tool_call>{"name": "calculate", "arguments": {"expression": </tool_call>', "ok"]],
-              "bad args": [['<tool_call>{"name": "calculate", "arguments": {"nope": 1}}</tool_call>', "ok"]],
-              "string args": [['<tool_call>{"name": "calculate", "arguments": "{\\"expression\\": \\"6*7\\"}"}'
-                               '</tool_call>', "<answer>42</answer>"]]}
+              "bad args": [['<tool_call>{"name": "calculate", "arguments": {"nope": 1}}</tool_call>', "ok"]]}
     examples = [{"messages": [{"role": "user", "content": k}]} for k in script]
     _, groups, counts = agent.rollouts(examples, 1, SamplingParams(max_new_tokens=200), Scripted(agent.tok, script),
                                        512, {})
-    bad_json, bad_args, string_args = (g[0] for g in groups)
-    assert bad_json.messages[1]["name"] == "unknown" and "invalid tool call" in bad_json.messages[1]["content"]
+    bad_json, bad_args = (g[0] for g in groups)
+    assert len(bad_json.messages) == 1 and bad_json.tool_mask.count(0) == 0  # plain text, as TRL reads it: the end
     assert "unexpected keyword argument 'nope'" in bad_args.messages[1]["content"]
-    assert string_args.messages[1]["content"] == "42" and string_args.text == "<answer>42</answer>"
-    assert counts["calls/unknown"] == counts["failures/unknown"] == 1 and counts["failures/calculate"] == 1
-    for c in (bad_json, bad_args, string_args):  # every rollout went on after its tool message: a second turn
-        assert c.tool_mask.count(0) > 0 and c.tool_mask[-1] == 1 and len(c.messages) == 3
+    assert counts["calls/calculate"] == counts["failures/calculate"] == 1 and bad_args.tool_counts == (1, 1)
+    assert bad_args.tool_mask.count(0) > 0 and bad_args.tool_mask[-1] == 1 and len(bad_args.messages) == 3
     metrics = tools.metrics(counts)
-    assert metrics["tools/call_frequency"] == 1.0 and metrics["tools/failure_frequency"] == pytest.approx(2 / 3)
+    assert metrics["tools/call_frequency"] == 0.5 and metrics["tools/failure_frequency"] == 1.0
 
 
-def test_the_rollouts_calls_run_side_by_side(agent_path):
-    """Four rollouts call a tool that returns only once four calls are running at once (a barrier)."""
+def test_the_rollouts_async_calls_run_side_by_side(agent_path):
+    """Four rollouts call an async tool that returns only once four calls are running at once (a barrier)."""
     agent = agent_of(agent_path, [FIX + "meet"])
     script = {f"r{i}": [[f'<tool_call>{{"name": "meet", "arguments": {{"who": "r{i}"}}}}</tool_call>', "done"]]
               for i in range(4)}
@@ -190,11 +197,69 @@ def test_the_rollouts_calls_run_side_by_side(agent_path):
                                                                                              for i in range(4)]
 
 
+def scripted_calls(agent, name, arguments, n=3):
+    """n rollouts, each calling tool `name` once with `arguments`, then answering: (their Completions, counts)."""
+    script = {f"q{i}": [[f'<tool_call>{json.dumps({"name": name, "arguments": arguments})}</tool_call>', "done"]]
+              for i in range(n)}
+    examples = [{"messages": [{"role": "user", "content": k}]} for k in script]
+    _, groups, counts = agent.rollouts(examples, 1, SamplingParams(max_new_tokens=200), Scripted(agent.tok, script),
+                                       512, {})
+    return [g[0] for g in groups], counts
+
+
+def test_a_tool_holding_a_thread_bound_object_works(agent_path):
+    """A sqlite3 connection made at import answers only the thread that made it: TRL calls sync tools there."""
+    done, counts = scripted_calls(agent_of(agent_path, [FIX + "capital"]), "capital", {"country": "Peru"})
+    assert [c.messages[1]["content"] for c in done] == ["Lima"] * 3 and counts["failures/capital"] == 0
+
+
+@pytest.mark.parametrize("tool", ["hang", "hang_async"])
+def test_a_tool_that_never_returns_costs_its_timeout_once_a_round(agent_path, tool):
+    import time
+
+    agent = agent_of(agent_path, [FIX + tool])
+    agent.timeout = 0.5
+    t0 = time.perf_counter()
+    done, counts = scripted_calls(agent, tool, {"x": 1})
+    assert time.perf_counter() - t0 < 5  # three calls, one limit: the later sync calls fail at once
+    assert all(f"{tool} timed out after 0.5 s" in c.messages[1]["content"] for c in done)
+    assert counts[f"timeouts/{tool}"] == counts[f"failures/{tool}"] == 3 and all(c.messages[-1]["content"] == "done"
+                                                                                 for c in done)
+
+
+def test_a_list_result_is_passed_as_its_text(agent_path, qwen_tokenizer):
+    for tok in (models.load_tokenizer(agent_path), qwen_tokenizer):  # Qwen2.5's template concatenates the content
+        agent = tools.Agent(tools.Toolbox([FIX + "digits"]), tok, 0, "agent", 4096)
+        done, _ = scripted_calls(agent, "digits", {"n": 305}, n=1)
+        assert done[0].messages[1]["content"] == "[3, 0, 5]" and "[3, 0, 5]" in tok.decode(done[0].token_ids)
+
+
+def test_a_tool_and_a_judge_share_one_event_loop(agent_path):
+    """An asyncio.Semaphore made at import, taken by an async tool and by an async judge: one loop for both."""
+    from minigdpo.scoring import RewardScorer, close_loop
+
+    try:
+        done, counts = scripted_calls(agent_of(agent_path, [FIX + "limited"]), "limited", {"x": 4})
+        assert [c.messages[1]["content"] for c in done] == ["8"] * 3
+        out, stats = RewardScorer([FIX + "limited_judge"]).score(done, [{"messages": []}] * 3)
+        assert out[:, 0].tolist() == [1.0] * 3 and stats[FIX + "limited_judge"]["errors"] == 0
+    finally:
+        close_loop()
+
+
+def test_specs_load_from_the_working_folder(tmp_path, monkeypatch):
+    (tmp_path / "mytools.py").write_text("def add(a: int, b: int) -> int:\n    \"\"\"Add.\n\n    Args:\n"
+                                         "        a: One.\n        b: Two.\n    \"\"\"\n    return a + b\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", str(tmp_path))])
+    assert tools.Toolbox(["mytools:add"]).tools[0](a=2, b=3) == 5
+
+
 def test_an_environment_per_rollout_reset_with_its_row_its_methods_as_tools_and_its_reward(agent_path):
     from tests.tool_fixtures import Counter  # the module --environment loads
 
     agent = agent_of(agent_path, [], FIX + "Counter")
-    assert list(agent.box.own) == ["Counter"] and [s["function"]["name"] for s in agent.box.schemas] == ["increment"]
+    assert list(agent.box.env_rewards) == ["Counter"] and [s["function"]["name"] for s in agent.box.schemas] == ["increment"]
     script = {"count from": [[f'<tool_call>{{"name": "increment", "arguments": {{"by": {j + 1}}}}}</tool_call>',
                               "done"] for j in range(3)]}
     examples = [{"messages": [{"role": "user", "content": "count from"}], "start": 10, "columns": ("start",)}]
@@ -206,9 +271,9 @@ def test_an_environment_per_rollout_reset_with_its_row_its_methods_as_tools_and_
         assert [e.value for e in agent.environments] == [11, 12, 13] and all(e.resets == step + 1
                                                                              for e in agent.environments)
     assert "(the counter is at 10)" in agent.tok.decode(shared[0])  # reset's string ends the last prompt message
-    from rewards import RewardScorer
+    from minigdpo.scoring import RewardScorer
 
-    scorer = RewardScorer(["tests.tool_fixtures:counted", "Counter"], own=agent.box.own)
+    scorer = RewardScorer(["tests.tool_fixtures:counted", "Counter"], own=agent.box.env_rewards)
     flat = [c for g in groups for c in g]
     out, _ = scorer([c.text for c in flat], examples * 3, messages=[c.messages for c in flat],
                     environments=agent.environments)
@@ -314,7 +379,8 @@ def test_the_first_gradient_on_two_ranks_is_the_hand_computed_one(agent_path, tm
 
 def test_train_and_eval_run_the_loop_and_log_what_it_did(agent_path, tmp_path):
     out = str(tmp_path / "run")
-    run(["train.py", *AGENT, "--model", agent_path, "--max-steps", "2", "--output-dir", out, "--save-every", "2"])
+    proc = run(["train.py", *AGENT, "--model", agent_path, "--max-steps", "2", "--output-dir", out, "--save-every",
+                "2", "--samples-every", "2", "--rewards", "solved,tool_economy", "--reward-weights", "1,0.5"])
     rows = read_jsonl(os.path.join(out, "metrics.jsonl"))
     for r in rows:
         assert 0 < r["tools/call_frequency"] <= 1 and r["tools/failure_frequency"] == 0  # one round of calls at most
@@ -324,12 +390,16 @@ def test_train_and_eval_run_the_loop_and_log_what_it_did(agent_path, tmp_path):
         assert {"reward/solved/easy", "reward/tool_economy/calls_hard"} <= set(r)
     sample = read_jsonl(os.path.join(out, "samples.jsonl"))[0]
     assert sample["conversation"][-1]["role"] == "assistant"
+    assert "sample at step 2:" in proc.stdout and "  assistant: " in proc.stdout  # one conversation, on the console
     checkpoint = os.path.join(out, "checkpoints", "step_000002")
     import eval as evaluation
 
-    summary = evaluation.main(["--model", checkpoint, "--limit", "8", "--n", "2", "--temperature", "1.0",
-                               "--output", str(tmp_path / "eval")])  # the tools come from the checkpoint's run
-    assert summary["prompts"] == 8 and 0 < summary["tools/call_frequency"] and "accuracy" in summary
+    summary = evaluation.main(["--model", checkpoint, "--baseline", agent_path, "--limit", "8", "--n", "2",
+                               "--temperature", "1.0", "--output-dir", str(tmp_path / "eval")])  # the run's tools
+    model = summary["model"]
+    assert model["prompts"] == 8 and 0 < model["tools/call_frequency"] and "accuracy" in model
+    assert "reward/answer_tag" not in model and "reward/tool_economy" in model  # the run's --rewards, not the task's
+    assert {"tools/call_rate", "tools/call_frequency", "tools/failure_frequency"} <= set(summary["difference"])
     rows = read_jsonl(os.path.join(tmp_path, "eval", "completions.jsonl"))
     assert any(len(r.get("conversation", [])) == 3 for r in rows)
 
@@ -340,10 +410,11 @@ def test_an_environment_through_train_py_is_a_reward_under_gdpo(agent_path, tmp_
                             for i in range(8)))
     out = str(tmp_path / "run")
     run(["train.py", *AGENT, "--model", agent_path, "--task", "prompts", "--data", str(data), "--tools", "",
-         "--environment", FIX + "Counter", "--rewards", "tests.tool_fixtures:counted", "--reward-weights", "1,2",
-         "--max-steps", "1", "--output-dir", out])
+         "--environment", FIX + "Counter", "--rewards", "tests.tool_fixtures:counted,tests.tool_fixtures:prompt_seen",
+         "--reward-weights", "1,1,2", "--max-steps", "1", "--output-dir", out])
     (row,) = read_jsonl(os.path.join(out, "metrics.jsonl"))
-    assert row["reward/tests.tool_fixtures:counted/mean"] == 1.0  # each rollout's instance was reset once
+    assert row["reward/counted/mean"] == 1.0  # each rollout's instance was reset once; named by its function (TRL)
+    assert row["reward/prompt_seen/mean"] == 1.0  # the rewards' prompts carry what reset appended, as the model's
     assert 0 <= row["reward/Counter/mean"] <= 8 and "adv/Counter/std" in row
 
 
@@ -354,8 +425,9 @@ def test_an_environment_through_train_py_is_a_reward_under_gdpo(agent_path, tmp_
     (["--tools", FIX + "no_hints"], "tool tests.tool_fixtures:no_hints: Argument a is missing a type hint"),
     (["--tools", FIX + "no_docstring"], "tool tests.tool_fixtures:no_docstring: Cannot generate JSON schema"),
     (["--environment", FIX + "NoReset"], "NoReset has no reset(**row) method"),
-    (["--tools", CALC, "--model", "tiny-random"], "the chat template of tiny-random cannot write a tool-calling"),
+    (["--tools", CALC, "--model", "tiny-random"], "--tools: tiny-random"),
     (["--max-tool-calls", "-1"], "--max-tool-calls must be >= 0"),
+    (["--tool-timeout", "0"], "--tool-timeout must be > 0"),
 ])
 def test_bad_agent_input_is_one_line(agent_path, flags, says):
     argv = [*AGENT, "--model", agent_path, *flags]
@@ -368,3 +440,10 @@ def test_tools_with_standard_prompts_are_refused(agent_path, tmp_path):
     message = refusal([*AGENT, "--model", agent_path, "--task", "prompts", "--data", str(data), "--rewards",
                        "tests.trl_rewards:answer_in"])
     assert "--tools and --environment need conversational prompts" in message
+
+
+def test_trl_style_rows_without_task_prompts_name_the_flag(tmp_path):
+    data = tmp_path / "rows.jsonl"
+    data.write_text(json.dumps({"prompt": [{"role": "user", "content": "What is 1+1?"}], "answer": "2"}) + "\n")
+    message = refusal(["--preset", "smoke", "--data", str(data), "--rewards", "tests.trl_rewards:answer_in"])
+    assert "pass --task prompts" in message

@@ -12,7 +12,8 @@ import pytest
 
 import rewards as registry
 from conftest import refusal
-from rewards import RewardScorer, load_task
+from minigdpo.scoring import RewardScorer
+from rewards import load_task
 
 J = "tests.trl_judges:"
 
@@ -51,7 +52,7 @@ def test_an_async_judge_with_a_module_level_semaphore_works_from_its_second_step
 def test_numpy_results_are_taken_as_trl_takes_them(name, expected):
     scorer = RewardScorer([J + name])
     out, stats = scorer(["a"] * 4, [{"messages": "p"}] * 4)
-    registry.RewardScorer.check(RewardScorer.merge([stats]))
+    RewardScorer.check(RewardScorer.merge([stats]))
     assert out[:, 0].tolist() == expected
 
 

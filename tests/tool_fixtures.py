@@ -2,6 +2,7 @@
 (--tools tests.tool_fixtures:NAME, --environment tests.tool_fixtures:NAME)."""
 
 import asyncio
+import sqlite3
 import threading
 
 from minigdpo.sampler import Completion
@@ -36,17 +37,87 @@ def broken(x: int) -> int:
     raise RuntimeError(f"broken on {x}")
 
 
-MEETING = threading.Barrier(4, timeout=20)
+MEETING = asyncio.Barrier(4)  # made at import, outside any loop, as a rate limit or a client is
 
 
-def meet(who: str) -> str:
+async def meet(who: str) -> str:
     """Waits until four callers have come: only calls that run side by side return.
 
     Args:
         who: The caller.
     """
-    MEETING.wait()
+    await asyncio.wait_for(MEETING.wait(), 20)
     return f"met {who}"
+
+
+DATABASE = sqlite3.connect(":memory:")  # made at import, in the main thread: sqlite3 refuses any other thread
+DATABASE.execute("CREATE TABLE capitals (country TEXT, city TEXT)")
+DATABASE.execute("INSERT INTO capitals VALUES ('France', 'Paris'), ('Peru', 'Lima')")
+
+
+def capital(country: str) -> str:
+    """The capital of a country, from a database.
+
+    Args:
+        country: The country.
+    """
+    row = DATABASE.execute("SELECT city FROM capitals WHERE country = ?", (country,)).fetchone()
+    return row[0] if row else "unknown"
+
+
+def hang(x: int) -> int:
+    """Never returns.
+
+    Args:
+        x: Anything.
+    """
+    threading.Event().wait()
+
+
+async def hang_async(x: int) -> int:
+    """Never returns either.
+
+    Args:
+        x: Anything.
+    """
+    await asyncio.Event().wait()
+
+
+def digits(n: int) -> list:
+    """The digits of a number, as a list.
+
+    Args:
+        n: The number.
+    """
+    return [int(d) for d in str(n)]
+
+
+LIMIT = asyncio.Semaphore(1)  # one API's rate limit, shared by a tool and a judge
+
+
+async def limited(x: int) -> int:
+    """Doubles, under the shared rate limit.
+
+    Args:
+        x: The number.
+    """
+    async with LIMIT:
+        await asyncio.sleep(0)
+        return 2 * x
+
+
+async def limited_judge(completions, **kwargs):
+    """A TRL-style async judge under the same rate limit as the `limited` tool."""
+    async def one(c):
+        async with LIMIT:
+            await asyncio.sleep(0)
+            return 1.0
+    return await asyncio.gather(*(one(c) for c in completions))
+
+
+def prompt_seen(prompts, **kwargs):
+    """A TRL-style reward that reads the prompt: 1 where its last message carries what the environment appended."""
+    return [float("(the counter is at" in p[-1]["content"]) for p in prompts]
 
 
 def no_hints(a, b):

@@ -32,7 +32,8 @@ def main(work):
     from trl import GRPOConfig, GRPOTrainer
 
     from minigdpo import models
-    from rewards import RewardScorer, load_task
+    from minigdpo.scoring import RewardScorer
+    from rewards import load_task
 
     path = models.resolve_model("tiny-random")
     tok = models.load_tokenizer(path)

@@ -1,0 +1,146 @@
+"""Asynchronous rollouts (--async-steps K): the next batches are sampled and scored while this one trains.
+
+Two threads on every rank. The main thread samples (train.py's steps 1-3: generation, tools, rewards), so a reward's
+or a tool's time limit (SIGALRM, main thread only) and a tool holding a thread-bound object (a sqlite3 connection
+made at import) work as in a synchronous run. The trainer (steps 4-8, the loop in train.py) runs beside it in a
+thread of its own and takes the batches in order, each exactly once.
+
+Keyed by step: step s is sampled by the weights of update max(first, s - 1 - K), the first being where the run
+started (0, or the resumed step), and by the step's own seed, never by thread timing. The sampler waits for those
+weights before it samples step s (time/wait_trainer): it runs at most K steps ahead, and a batch trained at step s
+was sampled by weights at most K updates old (async/staleness_*). The trainer waits for its batch
+(time/wait_sampler). K = 0 is the same code in turn: step s is sampled after update s - 1, as without this file.
+
+The weights: after update t the trainer publishes them. With K = 0 the sampler is idle then and loads them at once,
+as a synchronous run does; with K >= 1 it may be sampling, so the trainer keeps a copy (one snapshot, host memory for
+the HF sampler's model size on the CPU, device memory on a GPU), which the sampler loads before the step that needs
+it. Nothing else of the sampler's changes between: a step's rollouts, over all their turns, see one set of weights.
+
+A checkpoint at step t holds what was sampled for steps t+1..t+K (each rank its own, `pending`): resumed, the run
+trains on those batches, sampled by the weights it had then, and samples step t+K+1 with the checkpoint's own.
+"""
+
+import threading
+import time
+
+
+class Stopped(RuntimeError):
+    """The other side of the pipeline failed: this side stops too (the other's error is the one raised)."""
+
+
+class Pipeline:
+    """The batches between the sampler (the main thread) and the trainer (run's thread); see the module docstring.
+
+    sample(step, version) -> (batch, cursor): steps 1-3 of `step` (version: the updates its weights had), on the
+    main thread. load(weights): put a published set of weights (a list of (name, tensor)) into the sampler."""
+
+    def __init__(self, K, first, last, sample, load, pending=()):
+        self.K, self.first, self.last = K, first, last
+        self.sample, self.load = sample, load
+        self.ready = {}  # step -> (batch, cursor, version, seconds the sampler waited for the trainer)
+        for i, (batch, cursor, version) in enumerate(pending):  # a checkpoint's batches for the steps after it
+            self.ready[first + 1 + i] = (batch, cursor, version, 0.0)
+        self.unsampled = first + 1 + len(pending)  # the first step to sample
+        self.version = first        # the updates published
+        self.loaded = first         # the updates whose weights the sampler holds
+        self.snapshots = {}         # version -> weights published for the sampler (None: the update was skipped)
+        self.error = None
+        self.cond = threading.Condition()
+
+    def version_for(self, step):
+        """The updates whose weights sample `step`."""
+        return max(self.first, step - 1 - self.K)
+
+    # The trainer's side ------------------------------------------------------------------------------------------
+
+    def batch(self, step):
+        """(the batch of `step`, its cursor, staleness, seconds the trainer waited, seconds the sampler waited)."""
+        t0 = time.perf_counter()
+        with self.cond:
+            self._wait(lambda: step in self.ready)
+            batch, cursor, version, waited = self.ready.pop(step)
+        return batch, cursor, step - 1 - version, time.perf_counter() - t0, waited
+
+    def publish(self, step, weights):
+        """Update `step` is done: its weights (a callable giving (name, tensor) pairs; None where the step skipped its
+        update) go to the sampler: at once with K = 0, where it waits for them, as a synchronous run syncs; with
+        K >= 1 as a copy it loads before the step that needs it (at most K + 1 copies wait)."""
+        copy = None
+        if weights is not None and self.K == 0:
+            self.load(weights())
+        elif weights is not None:
+            copy = [(name, t.detach().clone()) for name, t in weights()]
+        with self.cond:
+            if self.K == 0:
+                self.loaded = step
+            else:
+                self.snapshots[step] = copy
+            self.version = step
+            self.cond.notify_all()
+
+    def pending(self, step):
+        """What a checkpoint at `step` saves: [(batch, cursor, version)] for steps step+1..step+K, each waited for
+        where it is being sampled (it needs no weights newer than the trainer's)."""
+        upto = min(step + self.K, self.last)
+        with self.cond:
+            self._wait(lambda: all(s in self.ready for s in range(step + 1, upto + 1)))
+            return [self.ready[s][:3] for s in range(step + 1, upto + 1)]
+
+    # The sampler's side ------------------------------------------------------------------------------------------
+
+    def run(self, train):
+        """Sample every step not yet sampled, in order, on this (the main) thread, while train() runs the trainer's
+        loop in another; returns once both are done, the sampler holding the last weights. Either side's error stops
+        the other and is raised here."""
+        trainer = threading.Thread(target=self._guard, args=(train,), name="minigdpo-trainer", daemon=True)
+        trainer.start()
+        try:
+            for step in range(self.unsampled, self.last + 1):
+                t0 = time.perf_counter()
+                version = self.version_for(step)
+                self._bring(version)
+                waited = time.perf_counter() - t0
+                batch, cursor = self.sample(step, version)
+                with self.cond:
+                    self.ready[step] = (batch, cursor, version, waited)
+                    self.cond.notify_all()
+        except BaseException as e:
+            self._fail(e)
+        trainer.join()
+        if self.error is not None:
+            raise self.error
+        self._bring(self.version)
+
+    def _bring(self, version):
+        """Wait until update `version` is published, then load the newest weights up to it where the sampler holds
+        older ones (with K = 0 the trainer loaded them already)."""
+        with self.cond:
+            self._wait(lambda: self.version >= version)
+            newer = sorted(v for v in self.snapshots if self.loaded < v <= version)
+            weights = next((self.snapshots[v] for v in reversed(newer) if self.snapshots[v] is not None), None)
+            for v in [v for v in self.snapshots if v <= version]:
+                del self.snapshots[v]
+        if weights is not None:
+            self.load(weights)
+        self.loaded = max(self.loaded, version)
+
+    # Both ------------------------------------------------------------------------------------------------------
+
+    def _guard(self, train):
+        try:
+            train()
+        except BaseException as e:
+            self._fail(e)
+
+    def _fail(self, error):
+        with self.cond:
+            if self.error is None and not isinstance(error, Stopped):
+                self.error = error
+            self.cond.notify_all()
+
+    def _wait(self, condition):
+        """Wait (holding self.cond) until condition(), or raise Stopped where the other side failed."""
+        while not condition():
+            if self.error is not None:
+                raise Stopped("the other side of the pipeline failed")
+            self.cond.wait(timeout=1.0)
