@@ -83,8 +83,8 @@ def run_training(argv=None):
     context = cfg.max_prompt_len + cfg.max_new_tokens  # the longest sequence a pass may meet
     tokenizer = models.load_tokenizer(path)
     agent = toolbox and tools.Agent(toolbox, tokenizer, cfg.max_tool_calls, cfg.model, context, cfg.tool_timeout)
-    auto = torch.bfloat16 if device.type == "cuda" else torch.float32
-    dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}.get(cfg.dtype, auto)
+    dtype, why = models.compute_dtype(cfg.dtype, device)
+    dist.print0(f"compute dtype {str(dtype).removeprefix('torch.')}: {why}")
     # Not sharded beside an asynchronous trainer: its gathers and the trainer's would meet from two threads.
     placement = "resident" if cfg.async_steps and cfg.reward_model_placement == "auto" else cfg.reward_model_placement
     scorer.place_models(device, dtype, cfg.reward_model_batch_size, placement, policy.build_classifier)

@@ -174,7 +174,8 @@ class Config:
 
     # Systems: hardware, memory and the rollout backend (the defaults fit; change them for speed or memory)
     dtype: str = "auto"
-    """Compute dtype: auto (bf16 on GPU, fp32 on CPU), bf16 or fp32. Master weights stay fp32."""
+    """Compute dtype: auto (bf16 on a GPU, and on a CPU with bf16 instructions, else fp32), bf16 or fp32. Master
+    weights stay fp32."""
     grad_checkpointing: bool = False
     """Recompute activations in the backward pass to save memory."""
     padding_free: bool = True

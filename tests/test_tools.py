@@ -65,7 +65,7 @@ def trl_loop(tok, tool_fns, budget, max_iterations, context=4096):
     from trl import GRPOTrainer
     from trl.chat_template_utils import parse_response
 
-    from rewards.trl_style import EventLoop
+    from minigdpo.scoring import EventLoop
 
     scripted = Scripted(tok, SCRIPT)
     keys = list(SCRIPT)
@@ -307,8 +307,8 @@ def hand_gradient(lm, sequences, masked=True):
     """The step's gradient by the textbook formula: token_mean over the global batch of -A * log p (ratio 1, beta 0),
     on full sequences, each token counted where `masked` says the model wrote it (else every completion token)."""
     lm.zero_grad(set_to_none=True)
-    tokens = sum(sum(m) if masked else len(m) for _, _, m, _ in sequences)
-    for prompt, completion, mask, adv in sequences:
+    tokens = sum(sum(m) if masked else len(m) for _, _, m, *_ in sequences)
+    for prompt, completion, mask, adv, *_ in sequences:
         ids = torch.tensor([prompt + completion])
         logp = torch.log_softmax(lm(input_ids=ids).logits[0, len(prompt) - 1:-1].float(), -1)
         picked = logp.gather(-1, torch.tensor(completion)[:, None])[:, 0]                     # (T,)
@@ -320,7 +320,7 @@ def hand_gradient(lm, sequences, masked=True):
 def check_gradient(path, out, nproc=1, lora_rank=0):
     seen = [torch.load(os.path.join(out, f"rank{r}.pt")) for r in range(nproc)]
     sequences = [s for part in seen for s in part["sequences"]]
-    assert any(0 in m for _, _, m, _ in sequences) and any(0 not in m for _, _, m, _ in sequences)  # tools ran
+    assert any(0 in m for _, _, m, *_ in sequences) and any(0 not in m for _, _, m, *_ in sequences)  # tools ran
     lm = models.load_model(path)
     if lora_rank:  # the same adapters, from the run's seed (42), as peft's layers in the plain model
         from minigdpo import lora

@@ -49,3 +49,9 @@ def overlong(completion_ids, **kwargs):
     from trl.rewards import get_soft_overlong_punishment
 
     return get_soft_overlong_punishment(max_completion_len=8, soft_punish_cache=4)(completion_ids, **kwargs)
+
+
+def varied(completions, **kwargs):
+    """A reward that differs from completion to completion of a random model (the sum of its characters' codes mod 7):
+    groups with something to learn from, so that the weights move (tests/test_async.py)."""
+    return [float(sum(map(ord, text(c))) % 7) for c in completions]
