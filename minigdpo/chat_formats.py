@@ -275,6 +275,9 @@ def suffix_ids(tokenizer, tool_messages):
         raise TemplateError(f"{_named(tokenizer)}: the chat template cannot write tool results ({e})") from None
     stops = [i for i, t in enumerate(before) if t == tokenizer.eos_token_id]
     before = before[:stops[-1] + 1] if stops else before
+    if tool_messages[0]["name"] not in tokenizer.decode(before):  # the eos ends an earlier turn, not the call's
+        raise TemplateError(f"{_named(tokenizer)}: its eos token {tokenizer.eos_token!r} does not end the turn that "
+                            "calls a tool, so tool results cannot be cut after it (set the eos its turns end with)")
     if after[:len(before)] == before:
         return after[len(before):]
     fork = len(commonprefix([before, after]))

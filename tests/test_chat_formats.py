@@ -269,3 +269,13 @@ def test_minigdpo_neither_imports_trl_nor_names_a_family():
                and id(n) not in docs]
     assert not [s for s in strings if re.search(r"(?i)qwen|llama|gemma|glm|nemotron|lfm|gpt|deepseek|hermes", s)]
     assert not [s for s in strings if re.search(r"(?<!\?P)<[/|]?\w+\|?>|<\||\|>|functions\.", s)]  # <think>, <|...
+
+
+def test_an_eos_that_does_not_end_the_calling_turn_is_refused_in_one_line():
+    """Gemma 4 with <turn|> as eos (its end-of-turn token, which the calling turn does not end with): TRL cuts the tool
+    suffix after the user's turn, and every rollout would get a made-up assistant turn. Refused at start here."""
+    tok = copy.deepcopy(tokenizer("gemma4"))
+    tok.eos_token = "<turn|>"
+    with pytest.raises(chat_formats.TemplateError, match="does not end the turn that calls a tool") as e:
+        chat_formats.check(tok, "tiny+gemma4")
+    assert "\n" not in str(e.value)
