@@ -38,8 +38,8 @@ import time
 
 import torch
 
-from minigdpo import checkpoint, config, dist, dynamic_sampling, logprobs, lora, microbatch, models, pipeline, policy, \
-    rollout, scoring, tools
+from minigdpo import checkpoint, cli, config, dist, dynamic_sampling, logprobs, lora, microbatch, models, pipeline, \
+    policy, rollout, scoring, tools
 from minigdpo.advantages import Condition, advantage_stats, apply_conditions
 from minigdpo.estimators import REGISTRY
 from minigdpo.data import DataError
@@ -53,7 +53,7 @@ from rewards.reward_model import RewardModelError
 
 
 def run_training(argv=None):
-    cfg = config.parse_args(argv, __doc__)  # every value checked: a bad one costs no model load
+    cfg = cli.parse_args(argv, __doc__)  # every value checked: a bad one costs no model load
     reward_options = {"length_limit": cfg.length_limit, "length_unit": cfg.length_unit,
                       "answer_format": cfg.answer_format}
     task = load_task(cfg.task, cfg.data, "train", cfg.skip_bad_rows, {"arith_difficulty": cfg.arith_difficulty},

@@ -19,7 +19,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from minigdpo import config, lora  # noqa: E402
+from minigdpo import cli, lora  # noqa: E402
 
 # From each model's config.json on the hub (Qwen/Qwen2.5-1.5B-Instruct, Qwen/Qwen2.5-7B-Instruct).
 MODELS = {
@@ -117,7 +117,7 @@ def main(argv=None):
     args = p.parse_args(argv)
     for preset in args.preset or ["a100", "a100-lora"]:
         flags = ["--preset", preset] + (["--lora-rank", str(args.lora_rank)] if args.lora_rank and preset == "a100-lora" else [])
-        cfg = config.parse_args(flags + (["--dynamic-sampling"] if args.dynamic_sampling else []))
+        cfg = cli.parse_args(flags + (["--dynamic-sampling"] if args.dynamic_sampling else []))
         rows, s = plan(cfg, args.reward_model)
         print(f"\n{cfg.model}, --preset {preset}: {s['parameters'] / 1e9:.2f} B parameters"
               + (f", {s['adapters'] / 1e6:.1f} M trainable ({100 * s['adapters'] / s['parameters']:.2f}%)" if s["adapters"] else ""))

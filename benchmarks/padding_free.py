@@ -33,7 +33,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 from minigdpo import dist, models, policy  # noqa: E402
-from minigdpo.config import Config, parse_args, resolve  # noqa: E402
+from minigdpo.cli import parse_args  # noqa: E402
+from minigdpo.config import Config, resolve  # noqa: E402
 from minigdpo.microbatch import cut  # noqa: E402
 from minigdpo.sampler import Completion  # noqa: E402
 from minigdpo.update import fill_logprobs, optimizer, scheduler, update  # noqa: E402

@@ -63,10 +63,10 @@ def test_every_registered_estimator_meets_the_contract(name):
 
 @pytest.mark.parametrize("name", sorted(REGISTRY))
 def test_every_registered_estimator_has_its_row_in_the_docs_and_the_help(name):
-    from minigdpo import config
+    from minigdpo import cli
 
     assert f"| `{name}` |" in open(os.path.join(ROOT, "docs", "estimators.md")).read()
-    assert name in config.build_parser().format_help()
+    assert name in cli.build_parser().format_help()
 
 
 def test_a_new_entry_with_its_right_twin_passes_and_with_a_wrong_twin_fails():

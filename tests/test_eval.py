@@ -14,7 +14,7 @@ import torch
 
 import eval as evaluate
 from conftest import run
-from minigdpo import config
+from minigdpo import cli, config
 
 
 def test_pass_at_k():
@@ -116,10 +116,10 @@ def test_final_evaluation_on_two_ranks_runs_once(tmp_path):
 
 
 def test_no_final_eval_flag():
-    assert config.parse_args(["--preset", "cpu-demo"]).final_eval == 64
-    assert config.parse_args(["--preset", "cpu-demo", "--no-final-eval"]).final_eval == 0
+    assert cli.parse_args(["--preset", "cpu-demo"]).final_eval == 64
+    assert cli.parse_args(["--preset", "cpu-demo", "--no-final-eval"]).final_eval == 0
     with pytest.raises(config.ConfigError, match="--final-eval must be >= 0"):
-        config.validate(config.parse_args(["--final-eval", "-1"]))
+        config.validate(cli.parse_args(["--final-eval", "-1"]))
 
 
 # The paired bootstrap -------------------------------------------------------------------------------

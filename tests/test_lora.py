@@ -15,7 +15,7 @@ import torch
 from safetensors.torch import load_file
 
 from conftest import mounted_tmpfs, read_jsonl, refusal, refused, run
-from minigdpo import checkpoint, config, dist, logprobs, lora, microbatch, models, policy
+from minigdpo import checkpoint, cli, config, dist, logprobs, lora, microbatch, models, policy
 from minigdpo.sampler import HFSampler, SamplingParams
 from minigdpo.update import optimizer, scheduler
 from minigdpo.sampler import WeightSyncError
@@ -413,7 +413,7 @@ def test_lora_values_are_checked():
                            (["--merge-on-save", "--lora-dropout", "0.1"], "--lora-dropout, --merge-on-save need --lora-rank"),
                            (["--lora-rank", "4", "--ref-offload"], "--ref-offload does nothing with --lora-rank")]:
         with pytest.raises(config.ConfigError) as e:
-            config.validate(config.parse_args(["--preset", "smoke"] + flags))
+            config.validate(cli.parse_args(["--preset", "smoke"] + flags))
         assert message in str(e.value)
     for name, value, message in [("lora_alpha", 0.0, "--lora-alpha must be > 0"),
                                  ("lora_dropout", 1.0, "--lora-dropout must be in [0, 1)"),
@@ -423,7 +423,7 @@ def test_lora_values_are_checked():
         with pytest.raises(config.ConfigError, match=message.replace("[", r"\[").replace("(", r"\(").replace(")", r"\)")):
             config.validate(cfg)
     config.validate(config.Config(lora_rank=8, sampler="vllm"))  # vLLM is fine: it gets merged weights
-    assert config.parse_args(["--preset", "a100-lora"]).lora_rank == 32
+    assert cli.parse_args(["--preset", "a100-lora"]).lora_rank == 32
 
 
 def test_memory_plan_counts_the_7b_adapters_exactly():
@@ -432,7 +432,7 @@ def test_memory_plan_counts_the_7b_adapters_exactly():
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
     import memory_plan
 
-    rows, s = memory_plan.plan(config.parse_args(["--preset", "a100-lora"]))
+    rows, s = memory_plan.plan(cli.parse_args(["--preset", "a100-lora"]))
     # Qwen2.5-7B: per layer, rank 32 x (in + out) of q (3584+3584), k and v (3584+512), o (3584+3584),
     # gate and up (3584+18944) and down (18944+3584); 28 layers.
     assert s["adapters"] == 28 * 32 * (2 * 7168 + 2 * 4096 + 3 * 22528) == 80_740_352

@@ -13,7 +13,7 @@ import torch
 from safetensors.torch import load_file
 
 from conftest import mounted_tmpfs, read_jsonl, refusal, refused, run
-from minigdpo import config, models
+from minigdpo import cli, config, models
 from minigdpo.estimators import REGISTRY
 from minigdpo.update import optimizer, policy_loss, scheduler
 from minigdpo.sampler import Completion
@@ -266,9 +266,9 @@ def test_every_integer_flag_refuses_a_fraction(flag):
     """"3.0" is not an integer: a step count or a size that silently dropped its fraction would be a
     different run than the one asked for."""
     with pytest.raises(config.ConfigError, match="invalid int value: '3.5'"):
-        config.parse_args([f"--{flag.replace('_', '-')}", "3.5"])
+        cli.parse_args([f"--{flag.replace('_', '-')}", "3.5"])
     with pytest.raises(config.ConfigError, match="invalid int value: '3.0'"):
-        config.parse_args([f"--{flag.replace('_', '-')}", "3.0"])
+        cli.parse_args([f"--{flag.replace('_', '-')}", "3.0"])
 
 
 def test_resume_on_a_node_with_fewer_gpus_restores_the_rng(process_group, tmp_path, monkeypatch):
@@ -315,7 +315,7 @@ def test_each_preset_lists_only_what_it_changes():
 
 
 def test_help_shows_what_to_train_first_and_the_systems_knobs_last():
-    text = config.build_parser().format_help()
+    text = cli.build_parser().format_help()
     heads = [line for line in text.splitlines() if line and not line.startswith(" ") and line.endswith(":")]
     assert heads.index("What to train:") < heads.index("Batch shape:") < heads.index("Output:")
     assert heads[-1].startswith("Systems")
