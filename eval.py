@@ -146,8 +146,8 @@ def evaluate(sampler, tokenizer, label, args, examples, specs, out_file):
                                         max_steps=run.get("total_steps", 0) * run.get("num_iterations", 1))
     params = SamplingParams(args.temperature, args.top_p, args.max_new_tokens, seed=args.seed)
     per_rank = -(-len(examples) // dist.world_size())
-    first = dist.rank() * per_rank
-    mine = examples[first:first + per_rank]
+    offset = dist.rank() * per_rank  # this rank's first prompt
+    mine = examples[offset:offset + per_rank]
     names = metric_names(specs)
     rows, all_rewards, lengths, truncated, failures, counts, calls = [], [], [], [], {}, [], []
     t0 = time.perf_counter()
@@ -166,7 +166,7 @@ def evaluate(sampler, tokenizer, label, args, examples, specs, out_file):
         rewards, stats = scorer.score(completions, seen, agent and agent.environments)  # (b * n, R)
         failures = RewardScorer.merge([failures, stats])
         for i, c in enumerate(completions):
-            rows.append({"prompt_index": first + s + i // args.n, "sample": i % args.n, "completion": c.text,
+            rows.append({"prompt_index": offset + s + i // args.n, "sample": i % args.n, "completion": c.text,
                          "tokens": c.written, "finish_reason": c.finish_reason,
                          "rewards": {n: (None if math.isnan(v) else v) for n, v in zip(names, rewards[i].tolist())},
                          **({"conversation": c.messages} if c.messages is not None else {})})

@@ -80,6 +80,7 @@ def policy_loss(logp, old_logp, ref_logp, advantages, mask, *, clip_low=0.2, cli
     ratio = torch.exp(logp - old_logp)                              # (N, T)
     clipped = torch.clamp(ratio, 1 - clip_low, 1 + clip_high)       # (N, T)
     pg = -torch.min(ratio * adv, clipped * adv)                     # (N, T)
+    importance_sampling_cap = max(importance_sampling_cap, 0.0)  # config's -1 ("auto") unresolved: off
     if importance_sampling_cap:
         log_w = (old_logp - sampler_logp) * mask                    # (N, T) pi_old / mu, in logs
         if importance_sampling_level == "sequence":

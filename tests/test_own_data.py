@@ -36,9 +36,9 @@ def check_rows(out, steps=2):
     rows = read_jsonl(os.path.join(out, "metrics.jsonl"))
     assert [r["step"] for r in rows] == list(range(1, steps + 1))
     for r in rows:
-        assert r["reward/tests.trl_rewards:row_aligned/mean"] == 1.0  # every completion got its own row's arguments
-        assert r["reward/tests.trl_rewards:answer_in/none"] % 4 == 0  # None on every completion of a row without one
-        assert r["reward/tests.trl_rewards:scheduled/global_step"] == r["step"] - 1  # trainer_state and log_metric
+        assert r["reward/row_aligned/mean"] == 1.0  # every completion got its own row's arguments
+        assert r["reward/answer_in/none"] % 4 == 0  # None on every completion of a row without one
+        assert r["reward/scheduled/global_step"] == r["step"] - 1  # trainer_state and log_metric
     samples = read_jsonl(os.path.join(out, "samples.jsonl"))
     assert samples and all(s["extra"]["chars"] == len(s["completion"]) for s in samples)  # log_extra's column
     return rows
@@ -83,7 +83,7 @@ def test_eval_takes_the_same_file_and_rewards(tmp_path):
     run(["eval.py", "--model", "tiny-random", "--task", "prompts", "--data", data, "--rewards", REWARDS,
          "--max-new-tokens", "8", "--output", out])
     summary = json.load(open(os.path.join(out, "summary.json")))
-    assert summary["prompts"] == 8 and summary["reward/tests.trl_rewards:row_aligned"] == 1.0
+    assert summary["prompts"] == 8 and summary["reward/row_aligned"] == 1.0
 
 
 def test_trls_own_rewards_run_unchanged(tmp_path):
@@ -94,9 +94,9 @@ def test_trls_own_rewards_run_unchanged(tmp_path):
          "--rewards", "trl.rewards:think_format_reward,tests.trl_rewards:overlong", "--output-dir", out,
          "--save-every", "0", "--max-steps", "1"])
     (row,) = read_jsonl(os.path.join(out, "metrics.jsonl"))
-    assert row["reward/trl.rewards:think_format_reward/mean"] == 0.0  # a random model writes no <think> block
-    assert row["reward/trl.rewards:think_format_reward/errors"] == 0
-    assert -1.0 <= row["reward/tests.trl_rewards:overlong/mean"] < 0  # 8 tokens: past 8 - 4, punished
+    assert row["reward/think_format_reward/mean"] == 0.0  # a random model writes no <think> block
+    assert row["reward/think_format_reward/errors"] == 0
+    assert -1.0 <= row["reward/overlong/mean"] < 0  # 8 tokens: past 8 - 4, punished
 
 
 @pytest.mark.slow
@@ -139,7 +139,7 @@ def test_a_reward_that_breaks_its_contract_stops_the_run_in_one_line(tmp_path, r
                  f"tests.trl_rewards:{reward}", check=False)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
     last = proc.stderr.strip().splitlines()[-1]  # the progress bar's lines come first: the run had started
-    assert last.startswith("error: ") and f"reward 'tests.trl_rewards:{reward}' {says}" in last
+    assert last.startswith("error: ") and f"reward '{reward}' {says}" in last  # named as TRL names it
     assert not os.path.exists(os.path.join(tmp_path, "run", "checkpoints"))  # stopped before any update
 
 

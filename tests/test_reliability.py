@@ -7,6 +7,7 @@ Run: pytest tests/test_reliability.py   (about 3 minutes)
 
 import math
 import os
+from dataclasses import fields
 
 import pytest
 import torch
@@ -145,11 +146,11 @@ def test_misbehaving_rewards_do_not_stop_training(tmp_path):
     rows = read_jsonl(os.path.join(out, "metrics.jsonl"))
     assert [r["step"] for r in rows] == [1, 2]
     r = rows[0]
-    assert r["reward/tests.helpers:raises/errors"] == 8
-    assert r["reward/tests.helpers:nan_or_inf/invalid"] == 8 and r["reward/tests.helpers:text/invalid"] == 8
-    assert r["reward/tests.helpers:hangs/timeouts"] == 8        # 3 timed out, the rest skipped
-    assert r["reward/tests.helpers:never_applies/none"] == 8
-    assert r["reward/tests.helpers:raises/mean"] is None        # NaN is written as null
+    assert r["reward/raises/errors"] == 8
+    assert r["reward/nan_or_inf/invalid"] == 8 and r["reward/text/invalid"] == 8
+    assert r["reward/hangs/timeouts"] == 8        # 3 timed out, the rest skipped
+    assert r["reward/never_applies/none"] == 8
+    assert r["reward/raises/mean"] is None        # NaN is written as null
     assert r["grad_norm"] > 0 and math.isfinite(r["loss"])       # the good reward still trains
     assert proc.stderr.count("'tests.helpers:raises' raised RuntimeError") == 1  # warned once over two steps
     assert proc.stderr.count("ran past its 0.2 s limit") == 1
@@ -214,7 +215,8 @@ def test_bad_rows_stop_by_default_and_are_skipped_on_request(tmp_path):
 
 BAD_VALUES = {  # every config field, with a value it must refuse (the test below checks the list is complete)
     "preset": "huge", "model": " ", "task": "chess", "data": None, "rewards": None, "reward_weights": [float("nan")] * 3,
-    "tools": None, "environment": None, "max_tool_calls": -1,
+    "tools": None, "environment": None, "max_tool_calls": -1, "tool_timeout": 0.0, "async_steps": -1,
+    "importance_sampling_level": "batch",
     "condition": None, "estimator": "ppo", "group_size": 1, "batch_size": 9, "micro_batch_size": 0, "num_iterations": 0,
     "micro_batch_tokens": -1, "padding_free": None, "compile": "maybe",
     "dynamic_sampling": None, "max_sample_rounds": 0,
@@ -242,7 +244,7 @@ CHECKED_ELSEWHERE = {  # fields whose bad values are only known once data, rewar
 
 
 def test_every_config_field_refuses_a_bad_value():
-    assert set(BAD_VALUES) == {f.name for f in config.fields(config.Config)}
+    assert set(BAD_VALUES) == {f.name for f in fields(config.Config)}
     for name, value in BAD_VALUES.items():
         if value is None:
             assert name in CHECKED_ELSEWHERE
@@ -261,7 +263,7 @@ def test_bad_booleans_and_context_are_one_line_before_any_model_loads(tmp_path):
         assert message in refusal(["--preset", "smoke", "--output-dir", str(tmp_path / "o")] + flags)
 
 
-@pytest.mark.parametrize("flag", [f.name for f in config.fields(config.Config) if f.type is int])
+@pytest.mark.parametrize("flag", [f.name for f in fields(config.Config) if f.type is int])
 def test_every_integer_flag_refuses_a_fraction(flag):
     """"3.0" is not an integer: a step count or a size that silently dropped its fraction would be a
     different run than the one asked for."""

@@ -245,6 +245,9 @@ def test_a_tool_and_a_judge_share_one_event_loop(agent_path):
         assert out[:, 0].tolist() == [1.0] * 3 and stats[FIX + "limited_judge"]["errors"] == 0
     finally:
         close_loop()
+    import threading
+
+    assert not [t for t in threading.enumerate() if t.name.startswith("minigdpo-")]  # the loop's thread ended with it
 
 
 def test_specs_load_from_the_working_folder(tmp_path, monkeypatch):
