@@ -233,6 +233,7 @@ def run_training(argv=None):
                                    for i, c in enumerate(batch.completions[0][:4])])
             if (cfg.save_every and step % cfg.save_every == 0) or step == sizes.total_steps:
                 save(step, after, pipe.pending(step))
+            pipe.step_done(step)
 
     def save(step, after, pending):
         """Checkpoint `step`, with the batches sampled for the steps after it (--async-steps) and the cursor past

@@ -11,8 +11,9 @@ weights before it samples step s (time/wait_trainer): it runs at most K steps ah
 was sampled by weights at most K updates old (async/staleness_*). The trainer waits for its batch
 (time/wait_sampler). K = 0 is the same code in turn: step s is sampled after update s - 1, as without this file.
 
-The weights: after update t the trainer publishes them. With K = 0 the sampler is idle then and loads them at once,
-as a synchronous run does; with K >= 1 it may be sampling, so the trainer keeps a copy (one snapshot, host memory for
+The weights: after update t the trainer publishes them, and the sampler may use them once the trainer's step t is
+over (its metrics and checkpoint, whose collectives must not interleave with the sampler's). With K = 0 the sampler
+is idle then and the weights load at once, as a synchronous run syncs them; with K >= 1 it may be sampling, so the trainer keeps a copy (one snapshot, host memory for
 the HF sampler's model size on the CPU, device memory on a GPU), which the sampler loads before the step that needs
 it. Nothing else of the sampler's changes between: a step's rollouts, over all their turns, see one set of weights.
 
@@ -41,7 +42,7 @@ class Pipeline:
         for i, (batch, cursor, version) in enumerate(pending):  # a checkpoint's batches for the steps after it
             self.ready[first + 1 + i] = (batch, cursor, version, 0.0)
         self.unsampled = first + 1 + len(pending)  # the first step to sample
-        self.version = first        # the updates published
+        self.version = first        # the steps the trainer finished (step_done): their weights may sample
         self.loaded = first         # the updates whose weights the sampler holds
         self.snapshots = {}         # version -> weights published for the sampler (None: the update was skipped)
         self.error = None
@@ -75,6 +76,12 @@ class Pipeline:
                 self.loaded = step
             else:
                 self.snapshots[step] = copy
+
+    def step_done(self, step):
+        """The trainer's step is over, its last collective (metrics, checkpoint) included: the sampler may now sample
+        with that step's weights. Not before: with K = 0 the two sides share the world group, and a collective of the
+        next step's sampling must not come between the trainer's on one rank and not on another."""
+        with self.cond:
             self.version = step
             self.cond.notify_all()
 
@@ -112,8 +119,8 @@ class Pipeline:
         self._bring(self.version)
 
     def _bring(self, version):
-        """Wait until update `version` is published, then load the newest weights up to it where the sampler holds
-        older ones (with K = 0 the trainer loaded them already)."""
+        """Wait until the trainer finished step `version`, then load the newest weights up to it where the sampler
+        holds older ones (with K = 0 the trainer loaded them already)."""
         with self.cond:
             self._wait(lambda: self.version >= version)
             newer = sorted(v for v in self.snapshots if self.loaded < v <= version)

@@ -68,6 +68,7 @@ def test_every_step_is_trained_once_in_order_by_weights_at_most_k_updates_old(K,
             if step % 3 == 0:
                 assert [b for b, _, _ in pipe.pending(step)] == [f"batch {s}" for s in range(step + 1,
                                                                                              min(step + K, last) + 1)]
+            pipe.step_done(step)
 
     pipe.run(train)
     assert trained == list(range(first + 1, last + 1))
@@ -82,7 +83,7 @@ def test_an_error_on_either_side_stops_both():
 
     pipe = Pipeline(1, 0, 5, failing_sample, lambda w: None)
     with pytest.raises(ValueError, match="a reward broke"):
-        pipe.run(lambda: [pipe.batch(s) for s in range(1, 6)])
+        pipe.run(lambda: [pipe.batch(s) for s in range(1, 6)])  # the sampler fails first
 
     def failing_train():
         pipe.batch(1)
@@ -182,3 +183,17 @@ def test_an_agent_and_dynamic_sampling_run_at_k1(tmp_path):
 ])
 def test_bad_async_input_is_one_line(flags, says):
     assert says in refusal(["--preset", "smoke", *flags])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("k", [0, 1])
+def test_two_ranks_sample_and_train_side_by_side(tmp_path, k):
+    """2 gloo ranks: at K = 0 the two threads take turns on the world group, and the sampler starts step s + 1 only
+    once the trainer's step s, its metrics' collectives included, is over on every rank; at K = 1 the sampling
+    thread's collectives go to a group of their own. Either would hang or cross its collectives otherwise."""
+    out = str(tmp_path / "run")
+    run(["train.py", *COMMON, "--async-steps", str(k), "--save-every", "2", "--output-dir", out], nproc=2)
+    rows = read_jsonl(os.path.join(out, "metrics.jsonl"))
+    assert [r["step"] for r in rows] == [1, 2, 3, 4] and [r["async/staleness_max"] for r in rows] == (
+        [0, 0, 0, 0] if k == 0 else [0, 1, 1, 1])
+
