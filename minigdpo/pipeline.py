@@ -13,9 +13,10 @@ was sampled by weights at most K updates old (async/staleness_*). The trainer wa
 
 The weights: after update t the trainer publishes them, and the sampler may use them once the trainer's step t is
 over (its metrics and checkpoint, whose collectives must not interleave with the sampler's). With K = 0 the sampler
-is idle then and the weights load at once, as a synchronous run syncs them; with K >= 1 it may be sampling, so the trainer keeps a copy (one snapshot, host memory for
-the HF sampler's model size on the CPU, device memory on a GPU), which the sampler loads before the step that needs
-it. Nothing else of the sampler's changes between: a step's rollouts, over all their turns, see one set of weights.
+is idle then and the weights load at once, as a synchronous run syncs them; with K >= 1 it may be sampling, so the
+trainer keeps a copy of them (a whole model in the compute dtype, where the weights live: at most K + 1 copies wait),
+which the sampler loads before the step that needs it. Nothing else of the sampler's changes between: a step's
+rollouts, over all their turns, see one set of weights.
 
 A checkpoint at step t holds what was sampled for steps t+1..t+K (each rank its own, `pending`): resumed, the run
 trains on those batches, sampled by the weights it had then, and samples step t+K+1 with the checkpoint's own.
@@ -111,9 +112,9 @@ class Pipeline:
                 with self.cond:
                     self.ready[step] = (batch, cursor, version, waited)
                     self.cond.notify_all()
-        except BaseException as e:
+        except BaseException as e:  # a Ctrl-C too: the trainer stops at its next wait
             self._fail(e)
-        trainer.join()
+        trainer.join(timeout=None if self.error is None else 60)  # a trainer deep in an update is not waited for long
         if self.error is not None:
             raise self.error
         self._bring(self.version)

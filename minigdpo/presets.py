@@ -28,9 +28,9 @@ PRESETS = {
     # (rewards/calculator_warmup.py) learns by RL where the tool pays; then meets the warmed model on held-out problems
     # (three-digit products: it gets them right only through the tool). Rewards and weights as a100-agent's.
     "cpu-agent": dict(model="smollm2-135m-agent", task="calculator", tools=["rewards.calculator:calculate"],
-                      reward_weights=[1.0, 1.0, 0.5], arith_difficulty=3, group_size=8, batch_size=32, lr=5e-5,
-                      warmup_ratio=0.0, lr_schedule="constant", max_prompt_len=128, max_new_tokens=80,
-                      max_tool_calls=2, max_steps=6, beta=0.0, temperature=1.0, save_every=0, samples_every=3,
+                      reward_weights=[1.0, 1.0, 0.5], arith_difficulty=3, group_size=8, batch_size=32, lr=3e-5,
+                      warmup_ratio=0.0, lr_schedule="constant", max_prompt_len=128, max_new_tokens=64,
+                      max_tool_calls=1, max_steps=4, beta=0.0, temperature=0.7, save_every=0, samples_every=2,
                       output_dir="runs/cpu-agent", sampler="hf", final_eval=48),
     # A tiny random model for tests and smoke runs; fp32 on every CPU, the precision the tests' bounds are written for.
     "smoke": dict(model="tiny-random", task="arith", group_size=4, batch_size=8, micro_batch_size=4, lr=1e-3,
