@@ -117,10 +117,11 @@ def compare(model, baseline, resamples=RESAMPLES, seed=0):
 def comparison_table(rows, model, baseline, prompts, n, temperature):
     """The side-by-side table printed by --baseline (and at the end of the CPU demo)."""
     sampling = "greedy" if temperature == 0 else f"temperature {temperature}"
+    w = max([22] + [len(k) for k in rows])  # as wide as the longest name (tools/failure_frequency)
     lines = [f"model     {model}", f"baseline  {baseline}",
              f"{prompts} prompts x {n} sample{'s' if n > 1 else ''}, {sampling}; diff = model - baseline, "
              f"95% paired bootstrap interval over prompts ({RESAMPLES} resamples, seed 0)",
-             f"{'metric':<22} {'baseline':>9} {'model':>9} {'diff':>9}   95% interval"]
+             f"{'metric':<{w}} {'baseline':>9} {'model':>9} {'diff':>9}   95% interval"]
     for k, (b, m, d, lo, hi) in rows.items():
-        lines.append(f"{k:<22} {b:>9.3f} {m:>9.3f} {d:>+9.3f}   [{lo:+.3f}, {hi:+.3f}]")
+        lines.append(f"{k:<{w}} {b:>9.3f} {m:>9.3f} {d:>+9.3f}   [{lo:+.3f}, {hi:+.3f}]")
     return "\n".join(lines)
