@@ -117,7 +117,8 @@ def resolve_model(name):
         return build_once("SmolLM2-135M-Instruct-from-gguf", _build_demo)
     if name == AGENT_MODEL and not os.path.isdir(name):  # the calculator task's warm start lives beside the task
         from rewards.calculator_warmup import build
-        return build_once(AGENT_MODEL, build)
+        cpu = compute_dtype("auto", torch.device("cpu"))[0]  # the fine-tune's autocast: bf16 where the CPU has it
+        return build_once(AGENT_MODEL, lambda path: build(path, resolve_model(DEMO_MODEL), cpu))
     return name
 
 
