@@ -236,18 +236,17 @@ def test_a_list_result_is_passed_as_its_text(agent_path, qwen_tokenizer):
 
 def test_a_tool_and_a_judge_share_one_event_loop(agent_path):
     """An asyncio.Semaphore made at import, taken by an async tool and by an async judge: one loop for both."""
-    from minigdpo.scoring import RewardScorer, close_loop
+    from minigdpo.scoring import RewardScorer, close_loop, loop
 
     try:
         done, counts = scripted_calls(agent_of(agent_path, [FIX + "limited"]), "limited", {"x": 4})
         assert [c.messages[1]["content"] for c in done] == ["8"] * 3
         out, stats = RewardScorer([FIX + "limited_judge"]).score(done, [{"messages": []}] * 3)
         assert out[:, 0].tolist() == [1.0] * 3 and stats[FIX + "limited_judge"]["errors"] == 0
+        thread = loop().thread
     finally:
         close_loop()
-    import threading
-
-    assert not [t for t in threading.enumerate() if t.name.startswith("minigdpo-")]  # the loop's thread ended with it
+    assert not thread.is_alive()  # the loop's thread ends with it (a run's or an evaluation's end)
 
 
 def test_specs_load_from_the_working_folder(tmp_path, monkeypatch):
