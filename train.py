@@ -251,8 +251,11 @@ def run_training(argv=None):
                 raise SystemExit(f"stopped at step {step}: the last complete checkpoint is "
                                  f"{checkpoint.latest(cfg.output_dir) or 'none'}") from None
 
-    with dist.collectives_on(sampling_group):  # the sampling thread's collectives: a group of their own
-        pipe.run(train)  # the main thread samples (sample), the trainer trains (train), in turn without --async-steps
+    try:
+        with dist.collectives_on(sampling_group):  # the sampling thread's collectives: a group of their own
+            pipe.run(train)  # the main thread samples (sample), the trainer trains (train), in turn without async
+    finally:  # an error's traceback keeps the closures above alive, and they the sharded state: let go of it here,
+        del model, ref, opt, sched  # so that dist.cleanup can end the process group (docs/reliability.md)
     log.close()
     dist.print0(start_end_table(log.first, log.recent, names))
     if cfg.final_eval:  # every rank, with the trainer's own sampler: no second vLLM engine in this process
