@@ -3,13 +3,15 @@
 Two threads on every rank. The main thread samples (train.py's steps 1-3: generation, tools, rewards), so a reward's
 or a tool's time limit (SIGALRM, main thread only) and a tool holding a thread-bound object (a sqlite3 connection
 made at import) work as in a synchronous run. The trainer (steps 4-8, the loop in train.py) runs beside it in a
-thread of its own and takes the batches in order, each exactly once.
+thread of its own and takes the batches in order, each exactly once. With K = 0 one thread does both, in turn: two
+threads would each keep a pool of compute threads, whose idle spinning slows the other's work on a CPU.
 
 Keyed by step: step s is sampled by the weights of update max(first, s - 1 - K), the first being where the run
 started (0, or the resumed step), and by the step's own seed, never by thread timing. The sampler waits for those
 weights before it samples step s (time/wait_trainer): it runs at most K steps ahead, and a batch trained at step s
 was sampled by weights at most K updates old (async/staleness_*). The trainer waits for its batch
-(time/wait_sampler). K = 0 is the same code in turn: step s is sampled after update s - 1, as without this file.
+(time/wait_sampler). K = 0 is the same code in turn: step s is sampled after update s - 1, when the trainer asks
+for it, as without this file.
 
 The weights: after update t the trainer publishes them, and the sampler may use them once the trainer's step t is
 over (its metrics and checkpoint, whose collectives must not interleave with the sampler's). With K = 0 the sampler
@@ -56,8 +58,11 @@ class Pipeline:
     # The trainer's side ------------------------------------------------------------------------------------------
 
     def batch(self, step):
-        """(the batch of `step`, its cursor, staleness, seconds the trainer waited, seconds the sampler waited)."""
+        """(the batch of `step`, its cursor, staleness, seconds the trainer waited, seconds the sampler waited). With
+        K = 0 the step is sampled here and now, on the one thread that runs both sides."""
         t0 = time.perf_counter()
+        if self.K == 0 and step not in self.ready:
+            self._sample(step)
         with self.cond:
             self._wait(lambda: step in self.ready)
             batch, cursor, version, waited = self.ready.pop(step)
@@ -99,25 +104,33 @@ class Pipeline:
     def run(self, train):
         """Sample every step not yet sampled, in order, on this (the main) thread, while train() runs the trainer's
         loop in another; returns once both are done, the sampler holding the last weights. Either side's error stops
-        the other and is raised here."""
+        the other and is raised here. With K = 0 there is no other thread: train() runs here and samples each step
+        when it asks for it (`batch`), as a synchronous loop does, its compute on one thread."""
+        if self.K == 0:
+            train()
+            return
         trainer = threading.Thread(target=self._guard, args=(train,), name="minigdpo-trainer", daemon=True)
         trainer.start()
         try:
             for step in range(self.unsampled, self.last + 1):
-                t0 = time.perf_counter()
-                version = self.version_for(step)
-                self._bring(version)
-                waited = time.perf_counter() - t0
-                batch, cursor = self.sample(step, version)
-                with self.cond:
-                    self.ready[step] = (batch, cursor, version, waited)
-                    self.cond.notify_all()
+                self._sample(step)
         except BaseException as e:  # a Ctrl-C too: the trainer stops at its next wait
             self._fail(e)
         trainer.join(timeout=None if self.error is None else 60)  # a trainer deep in an update is not waited for long
         if self.error is not None:
             raise self.error
         self._bring(self.version)
+
+    def _sample(self, step):
+        """Steps 1-3 of `step`, once the weights its step names are in the sampler."""
+        t0 = time.perf_counter()
+        version = self.version_for(step)
+        self._bring(version)
+        waited = time.perf_counter() - t0
+        batch, cursor = self.sample(step, version)
+        with self.cond:
+            self.ready[step] = (batch, cursor, version, waited)
+            self.cond.notify_all()
 
     def _bring(self, version):
         """Wait until the trainer finished step `version`, then load the newest weights up to it where the sampler
