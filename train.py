@@ -256,7 +256,7 @@ def run_training(argv=None):
             pipe.run(train)  # the main thread samples (sample), the trainer trains (train), in turn without async
     finally:  # an error's traceback keeps the closures above alive, and they the sharded state: let go of it here,
         del model, ref, opt, sched  # so that dist.cleanup can end the process group (docs/reliability.md)
-    log.close()
+        log.close()  # and the bar ends before an error's line, not at exit after it
     dist.print0(start_end_table(log.first, log.recent, names))
     if cfg.final_eval:  # every rank, with the trainer's own sampler: no second vLLM engine in this process
         import eval as evaluation

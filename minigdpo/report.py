@@ -89,10 +89,12 @@ class Logger:
             tqdm.write(text, file=sys.stderr if error else sys.stdout)
 
     def close(self):
+        """Ends the bar and the W&B run; a second call does nothing."""
         if self.main:
             self.bar.close()
             if self.wandb is not None:
                 self.wandb.finish()
+                self.wandb = None
 
 
 def shown(step, row, width=160):
