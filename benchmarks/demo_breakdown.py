@@ -5,8 +5,11 @@ fresh HOME (no pip cache, no model cache) and a fresh virtual environment, one a
 
     python benchmarks/demo_breakdown.py fcf090c HEAD        # about 8 minutes a commit on 2 cores
     python benchmarks/demo_breakdown.py HEAD --json out.json
+    python benchmarks/demo_breakdown.py HEAD --preset cpu-agent   # the agent demo: its model's build, its steps
 
-The README's time for command 1 is this script's "command 1 in all" for HEAD.
+The README's time for command 1 is this script's "command 1 in all" for HEAD. With --preset cpu-agent the
+"conversion" is the agent model's build (the GGUF's conversion, then the warm-up fine-tune), which the preset's first
+run does before training.
 """
 
 import argparse
@@ -49,7 +52,7 @@ def sizes(venv):
     return out
 
 
-def measure(rev, work):
+def measure(rev, work, preset):
     """Every part of README command 1 at commit `rev`, in a fresh clone, HOME and virtual environment."""
     repo, home, venv = (os.path.join(work, d) for d in ("repo", "home", "venv"))
     subprocess.run(["git", "clone", "-q", ROOT, repo], check=True)
@@ -68,16 +71,17 @@ def measure(rev, work):
         out[f"added by {name}"] = {k: round(v, 1) for k, v in now.items() if k not in before}
         before = now
     out["installs"] = installs
-    convert = "python -c 'from minigdpo import models; models.resolve_model(models.DEMO_MODEL)'"
+    model = "models.AGENT_MODEL" if preset == "cpu-agent" else "models.DEMO_MODEL"
+    convert = f"python -c 'from minigdpo import models; models.resolve_model({model})'"
     out["conversion"] = timed(convert, repo, env)[0]
-    seconds, log = timed("python train.py --preset cpu-demo", repo, env)
+    seconds, log = timed(f"python train.py --preset {preset}", repo, env)
     out["training command"] = seconds
-    with open(os.path.join(repo, "runs", "cpu-demo", "metrics.jsonl")) as f:
+    with open(os.path.join(repo, "runs", preset, "metrics.jsonl")) as f:
         rows = [json.loads(line) for line in f]
     out["steps"] = len(rows)
     out["per phase, all steps"] = {k: sum(r.get(f"time/{k}", 0.0) for r in rows) for k in STEPS}
     out["steps in all"] = sum(r["time/step"] for r in rows)
-    with open(os.path.join(repo, "runs", "cpu-demo", "final_eval", "summary.json")) as f:
+    with open(os.path.join(repo, "runs", preset, "final_eval", "summary.json")) as f:
         summary = json.load(f)
     out["final evaluation"] = summary["model"]["seconds"] + summary["baseline"]["seconds"]
     out["held-out accuracy"] = {k: summary[k]["accuracy"] for k in ("baseline", "model")} | {
@@ -91,12 +95,13 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("revs", nargs="+", help="commits to measure, one after the other")
     parser.add_argument("--json", default="", help="also write every figure here")
+    parser.add_argument("--preset", default="cpu-demo", choices=["cpu-demo", "cpu-agent"])
     args = parser.parse_args()
     results = []
     for rev in args.revs:
         work = tempfile.mkdtemp(prefix="minigdpo-demo-")
         try:
-            results.append(measure(rev, work))
+            results.append(measure(rev, work, args.preset))
         finally:
             shutil.rmtree(work, ignore_errors=True)
         r = results[-1]

@@ -29,6 +29,15 @@ training every layer in fp32 takes several minutes. Seeded and deterministic on 
 minigdpo's model cache.
 
     python -c "from minigdpo import models; print(models.resolve_model('smollm2-135m-agent'))"   # build, say where
+
+So short a fine-tune leaves the rates where its numerics take them. On a CPU without bf16 instructions it runs in
+fp32 (65 s here), and that model calls far less: built so on this project's machine, then trained and evaluated by
+the preset in fp32 (`python train.py --preset cpu-agent --model DIR --dtype fp32`), it called on none of the 48
+held-out products before RL or after and solved none; in training it never called on a product (steps 1 and 3 drew
+them), so RL had no call on a product to reinforce. The fp32 build:
+
+    python -c "import torch; from minigdpo import models; from rewards.calculator_warmup import build; \
+        build('DIR', models.resolve_model(models.DEMO_MODEL), torch.float32)"
 """
 
 import os
