@@ -116,9 +116,9 @@ def resolve_model(name):
     if name == DEMO_MODEL and not os.path.isdir(name) and importlib.util.find_spec(DEMO_GGUF[0]) is not None:
         return build_once("SmolLM2-135M-Instruct-from-gguf", _build_demo)
     if name == AGENT_MODEL and not os.path.isdir(name):  # the calculator task's warm start lives beside the task
-        from rewards.calculator_warmup import build
+        from rewards import calculator_warmup as warm  # its RECIPE names the cache: a changed recipe builds anew
         cpu = compute_dtype("auto", torch.device("cpu"))[0]  # the fine-tune's autocast: bf16 where the CPU has it
-        return build_once(AGENT_MODEL, lambda path: build(path, resolve_model(DEMO_MODEL), cpu))
+        return build_once(f"{AGENT_MODEL}-{warm.RECIPE}", lambda path: warm.build(path, resolve_model(DEMO_MODEL), cpu))
     return name
 
 

@@ -13,28 +13,28 @@ written as Qwen2.5 and Hermes write them, and each tool result in a turn of its 
   <|im_start|>tool\n98412<|im_end|>
   <|im_start|>assistant\n<answer>98412</answer><|im_end|>
 
-The fine-tune sees conversations of the task's own problems (`question`, `calculate`): some call the tool and
-copy its result into <answer>N</answer>, the others answer at once, as examples/tiny_agent.py's do. Their call
-rates (CALLS: a quarter of the easy ones, three eighths of the hard ones) leave RL something to learn: sampled at
-the preset's temperature 0.7, the warmed model calls on about half of the hard problems (three-digit products, which
-it gets right only through the tool) and a quarter to a third of the easy ones (single-digit sums). The choice is
-close to even on hard problems, so the compute dtype tips its greedy decoding: on the demo's 48 held-out products it
-calls on 5 in bf16 (the demo's dtype on a CPU with bf16 instructions) and on all 48 in fp32. What it cannot do is
-add: it gets about a tenth of the sums right without the tool, so the tool pays on both kinds. The loss is on the
+The fine-tune sees conversations of the task's own problems (`question`, `calculate`): some call the tool and copy
+its result into <answer>N</answer>, the others answer at once, as examples/tiny_agent.py's do. Their call rates
+(CALLS: a quarter of the easy ones, three eighths of the hard ones) leave RL something to learn. The loss is on the
 assistant's tokens only; the digits of a direct answer to a hard problem weigh GUESS_WEIGHT (a model that cannot
-multiply learns noise from them), and the choice to call ("<", then "tool" or "answer") DECISION_WEIGHT: in so short a
-fine-tune the rates are learnt only so. Only the top TRAINED_LAYERS layers learn, in bf16 autocast over fp32
-weights where the CPU computes bf16 in hardware (train.py's --dtype auto): 16 steps take 41 s on 2 cores, where
-training every layer in fp32 takes several minutes. Seeded and deterministic on one machine; built once into
-minigdpo's model cache.
+multiply learns noise from them), and the first two tokens of every assistant turn ("<", then "tool" or "answer")
+DECISION_WEIGHT: the choice to call, and after a result the choice to answer rather than call again (in RL rollouts
+on sums some callers called again, cut by --max-tool-calls, and never answered). Only the top TRAINED_LAYERS layers
+learn, in bf16 autocast over fp32 weights where the CPU computes bf16 in hardware (train.py's --dtype auto), else in
+fp32: 24 steps take 49 s in bf16 and 109 s in fp32 on this project's 2 cores. Seeded and deterministic on one
+machine; built once into minigdpo's model cache, under a name that holds RECIPE.
 
     python -c "from minigdpo import models; print(models.resolve_model('smollm2-135m-agent'))"   # build, say where
 
-So short a fine-tune leaves the rates where its numerics take them. On a CPU without bf16 instructions it runs in
-fp32 (65 s here), and that model calls far less: built so on this project's machine, then trained and evaluated by
-the preset in fp32 (`python train.py --preset cpu-agent --model DIR --dtype fp32`), it called on none of the 48
-held-out products before RL or after and solved none; in training it never called on a product (steps 1 and 3 drew
-them), so RL had no call on a product to reinforce. The fp32 build:
+What it learns, measured on 32 held-out products, 4 samples each at the preset's temperature 0.7 (eval.py, fp32):
+built in bf16 it calls on 0.28 of them and built in fp32 on 0.42; the calls are right 0.89 and 0.76 of the time (the
+rest mostly answer another number than the result), the direct answers never. Greedy, on the preset's 48 held-out
+products, the bf16 build calls on none, decoded in bf16 or in fp32, and the fp32 build on 1. So the choice is well
+short of even in either dtype: the preset's table starts near 0, and what it gains is RL's. The recipe before (16 steps, the first turn's
+choice alone) left the bf16 build's choice near even (sampled so, it called on 0.51), and the dtype tipped greedy
+decoding: 5 calls of 48 in bf16, all 48 in fp32.
+
+The fp32 build, on any CPU:
 
     python -c "import torch; from minigdpo import models; from rewards.calculator_warmup import build; \
         build('DIR', models.resolve_model(models.DEMO_MODEL), torch.float32)"
@@ -66,7 +66,8 @@ TEMPLATE = (  # compact on purpose: every token of the system turn is in every p
 DIGITS = 3  # of each factor of a hard problem: the cpu-agent preset's --arith-difficulty
 CALLS = {"easy": 0.25, "hard": 0.375}  # share of the fine-tune's conversations that call the tool, by kind
 GUESS_WEIGHT, DECISION_WEIGHT = 0.5, 4.0
-STEPS, BATCH, LR, TRAINED_LAYERS = 16, 16, 3e-4, 6
+STEPS, BATCH, LR, TRAINED_LAYERS = 24, 16, 3e-4, 6
+RECIPE = "r2"  # the model cache's name for this recipe (minigdpo/models.py): change it with anything above
 
 
 def conversation(rng, kind, call):
@@ -109,8 +110,9 @@ def batch(tok, convs, tools):
         for (a, b) in enc["offset_mapping"]:
             inside = any(s <= a < e for s, e in spans)
             row_w.append(0.0 if not inside else GUESS_WEIGHT if guess and text[a:b].strip().isdigit() else 1.0)
-        first = next(i for i, (a, _) in enumerate(enc["offset_mapping"]) if a >= spans[0][0])
-        row_w[first:first + 2] = [DECISION_WEIGHT] * 2  # "<" then "tool" or "answer": whether it calls
+        for start, _ in spans:  # "<" then "tool" or "answer": whether it calls, and that it answers after the result
+            first = next(i for i, (a, _) in enumerate(enc["offset_mapping"]) if a >= start)
+            row_w[first:first + 2] = [DECISION_WEIGHT] * 2
         rows.append(enc["input_ids"])
         weights.append(row_w)
     T = max(map(len, rows))

@@ -87,7 +87,8 @@ def test_warm_start_data_is_the_tasks():
 
 def test_loss_is_on_the_assistant_only(smollm2):
     """The weighted tokens spell the assistant's turns (each through its <|im_end|>), nothing of the system, user or
-    tool turns; the call-or-answer choice weighs DECISION_WEIGHT, a guessed product's digits GUESS_WEIGHT."""
+    tool turns; the call-or-answer choice weighs DECISION_WEIGHT in every assistant turn (after a tool's result too: the
+    model must answer then, not call again), a guessed product's digits GUESS_WEIGHT."""
     from transformers.utils import get_json_schema
 
     rng = random.Random(1)
@@ -99,6 +100,10 @@ def test_loss_is_on_the_assistant_only(smollm2):
                       '<answer>%s</answer><|im_end|>' % (convs[0][1]["tool_calls"][0]["function"]["arguments"]
                                                          ["expression"], convs[0][2]["content"]))
     assert smollm2.decode(ids[1][weights[1] > 0]) == direct[1]["content"] + "<|im_end|>"
+    learnt, turns = ids[0][weights[0] > 0].tolist(), weights[0][weights[0] > 0].tolist()
+    second = learnt.index(smollm2.convert_tokens_to_ids("<|im_end|>")) + 1  # where the answer after the result starts
+    assert turns[:2] == turns[second:second + 2] == [warmup.DECISION_WEIGHT] * 2
+    assert set(turns[2:second]) == set(turns[second + 2:]) == {1.0}
     kept = weights[1][weights[1] > 0].tolist()
     assert kept[:2] == [warmup.DECISION_WEIGHT] * 2 and set(kept[2:]) == {1.0, warmup.GUESS_WEIGHT}
     length = len(smollm2.apply_chat_template(direct, tools=[calculator.calculate], return_dict=False))
@@ -122,7 +127,8 @@ def test_build_on_a_tiny_stand_in_is_deterministic(tmp_path):
 
 def test_the_built_in_name_is_built_once(tmp_path, monkeypatch):
     """resolve_model builds smollm2-135m-agent once into the cache, from the converted demo model (both builds faked
-    here: the real ones take a minute)."""
+    here: the real ones take a minute), and again, beside it, once the warm start's recipe changes: a cache built by
+    an older recipe is never taken for the new one."""
     monkeypatch.setenv("MINIGDPO_CACHE", str(tmp_path))
     built = []
 
@@ -133,9 +139,13 @@ def test_the_built_in_name_is_built_once(tmp_path, monkeypatch):
     monkeypatch.setattr(models, "_build_demo", fake)
     monkeypatch.setattr(warmup, "build", fake)
     first, second = models.resolve_model(models.AGENT_MODEL), models.resolve_model(models.AGENT_MODEL)
-    assert first == second == str(tmp_path / models.AGENT_MODEL)
+    assert first == second == str(tmp_path / f"{models.AGENT_MODEL}-{warmup.RECIPE}")
     assert len(built) == 1 + (importlib.util.find_spec(models.DEMO_GGUF[0]) is not None)
     assert built[-1][1] == models.resolve_model(models.DEMO_MODEL)
+    before = len(built)
+    monkeypatch.setattr(warmup, "RECIPE", warmup.RECIPE + "-next")
+    third = models.resolve_model(models.AGENT_MODEL)
+    assert third == str(tmp_path / f"{models.AGENT_MODEL}-{warmup.RECIPE}") != first and len(built) == before + 1
 
 
 def test_preset_validates():
