@@ -232,7 +232,7 @@ def parse_args(argv=None):
         dist.print0(f"settings from the run of {source}: " + " ".join(f"{k}={getattr(args, k)}" for k in taken) + given)
     if args.n < 1 or args.batch_size < 1 or args.max_new_tokens < 1 or args.temperature < 0 or args.limit < 0:
         p.error("--n, --batch-size and --max-new-tokens must be >= 1, --temperature and --limit >= 0")
-    if not args.tool_timeout > 0:
+    if not (math.isfinite(args.tool_timeout) and args.tool_timeout > 0):  # config.validate's rule
         p.error(f"--tool-timeout must be > 0, got {args.tool_timeout}")
     if args.n > 1 and args.temperature == 0:
         p.error("--n > 1 needs --temperature > 0 (greedy samples are all the same)")

@@ -173,3 +173,14 @@ def test_arith_held_out_split_shares_no_problem_with_training(difficulty):
     train = {question(ex) for ex in load_task("arith", split="train", data_options={"arith_difficulty": difficulty}).examples}
     test = load_task("arith", split="test", data_options={"arith_difficulty": difficulty}).examples
     assert len(test) >= 1000 and not any(question(ex) in train for ex in test)
+
+
+@pytest.mark.parametrize("value", ["0", "-1", "inf", "nan"])
+def test_eval_refuses_the_tool_timeouts_train_refuses(value, capsys):
+    """eval.py's --tool-timeout holds train.py's rule (config.validate): finite and > 0, else one line."""
+    with pytest.raises(SystemExit):
+        evaluate.parse_args(["--model", "tiny-random", "--task", "calculator", "--tools", "rewards.calculator:calculate",
+                             "--tool-timeout", value])
+    assert f"--tool-timeout must be > 0, got {float(value)}" in capsys.readouterr().err
+    with pytest.raises(config.ConfigError, match="--tool-timeout must be > 0"):
+        config.validate(cli.parse_args(["--tool-timeout", value]))
