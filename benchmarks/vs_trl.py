@@ -77,7 +77,7 @@ def run_minigdpo(args, model, data):
                 "--micro-batch-size", str(args.micro_batch_size), "--beta", "0.04", "--lr", "1e-6",
                 "--max-steps", str(args.steps), "--max-new-tokens", str(args.max_new_tokens), "--max-prompt-len", "512",
                 "--ignore-eos", "--temperature", "1.0", "--sampler", "hf", "--save-every", "0", "--samples-every", "0",
-                "--warmup-ratio", "0", "--output-dir", out])
+                "--warmup-ratio", "0", "--dtype", "fp32", "--output-dir", out])  # TRL's dtype on the CPU
     return [row["time/step"] for row in read_run(out)]
 
 

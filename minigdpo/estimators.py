@@ -92,9 +92,3 @@ def informative_groups(rewards, weights, estimator, tol=1e-6, **options):
     (0,1) gives 0 (the two rewards' z-scores cancel), and so does a constant sum under GRPO.
     """
     return REGISTRY[estimator].group_step(rewards, weights, **options).abs().amax(dim=1) > tol  # (B,)
-
-
-def informative_groups_naive(rewards, weights, estimator, tol=1e-6, **options):
-    """informative_groups' twin on nested lists: does some sample's group-level advantage exceed tol in size?"""
-    groups = REGISTRY[estimator].naive_group_step(rewards, weights, **options)
-    return [any(abs(a) > tol for a in group) for group in groups]

@@ -19,6 +19,9 @@ Shape legend: B prompts, n samples per prompt, N = B * n rows, P prompt columns,
 from dataclasses import dataclass, field
 
 import torch
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from minigdpo.lora import is_adapter
 from minigdpo.models import layer_windows
@@ -139,6 +142,24 @@ def sync_every(device):
     return 1 if device.type == "cpu" else 16
 
 
+def decode_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
+    """A decode step's attention: one new token a row (N, H, 1, D) against its cache (N, K, L, D) under the sampler's
+    (N, 1, 1, L) padding mask, each key head with its H / K query heads in one matmul, no repeated copy of the cache,
+    a softmax in fp32 (SDPA's CPU kernels took 4-20x as long: docs/performance.md). Any other call is SDPA's."""
+    (N, H, T, D), K = query.shape, key.shape[1]
+    if T > 1 or attention_mask is None or attention_mask.dtype != torch.bool or dropout or kwargs.get("softcap") \
+            or kwargs.get("s_aux") is not None:  # a prefill, softcapping, attention sinks
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
+    scores = (query.view(N, K, H // K, D) @ key.transpose(2, 3)).float() * (scaling or D**-0.5)  # (N, K, H / K, L)
+    probs = scores.masked_fill(~attention_mask, float("-inf")).softmax(-1).to(value.dtype)    # mask: (N, 1, 1, L)
+    return (probs @ value).view(N, 1, H, D), None                                           # SDPA's: (N, 1, H, D)
+
+
+DECODE = "minigdpo_decode"  # the HF sampler's attention kernel where SDPA's mask applies (HFSampler.__init__)
+AttentionInterface.register(DECODE, decode_attention)
+AttentionMaskInterface.register(DECODE, sdpa_mask)  # a prefill's mask, made for SDPA
+
+
 class HFSampler:
     """Batched sampling with a plain (unsharded) Hugging Face model and its KV cache.
 
@@ -158,6 +179,8 @@ class HFSampler:
             self.full_attention = not any(layer_windows(model.config))
         except ValueError:  # a kind of layer layer_windows does not know: no sharing
             self.full_attention = False
+        if self.full_attention and getattr(model.config, "_attn_implementation", None) == "sdpa":
+            model.config._attn_implementation = DECODE  # this copy's own config: the trainer's stays as it was
         # With peft's LoRA layers in the model (make_sampler), a sync sends the adapters alone: the base weights
         # stay those of the checkpoint, as the trainer's frozen base does.
         self.adapters_only = hasattr(model, "peft_config")
@@ -202,7 +225,10 @@ class HFSampler:
                 break
             # Rows that are done feed padding; their outputs are never read, so the new column can be all ones.
             mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)  # (N, P + t + 1)
-            out = self.model(input_ids=tok[:, None], attention_mask=self._decode_mask(mask),
+            # decode_attention's mask, (N, 1, 1, L): a 4-D mask is used as it is, where transformers reads a 2-D one
+            # on the host (masking_utils.fast_all) to see whether it may drop it, a sync per token. Others: 2-D.
+            kernel_mask = mask[:, None, None, :].bool() if self.model.config._attn_implementation == DECODE else mask
+            out = self.model(input_ids=tok[:, None], attention_mask=kernel_mask,
                              position_ids=next_pos[:, None],
                              past_key_values=cache, use_cache=True)
             cache, logits = out.past_key_values, out.logits[:, -1]
@@ -243,17 +269,6 @@ class HFSampler:
         from transformers import DynamicCache
 
         return DynamicCache() if self.full_attention else None
-
-    def _decode_mask(self, mask):
-        """The (N, L) padding mask of one decode step, as SDPA takes it: (N, 1, 1, L), True = attend.
-
-        Given the 2-D mask, transformers reads it on the host (masking_utils.fast_all) to see whether
-        it may drop it, a sync per token; a 4-D mask is used as it is. Other attention kernels take
-        their own mask formats, so they get the 2-D one.
-        """
-        if getattr(self.model.config, "_attn_implementation", None) != "sdpa" or not self.full_attention:
-            return mask
-        return mask[:, None, None, :].bool()                               # (N, 1, 1, L)
 
     def _completions(self, tokens, logps, lengths, B, n):
         stop = set(self.stop_ids.tolist())

@@ -112,3 +112,11 @@ def process_group_survives():
             os.environ[k] = v
     if had and not dist.is_initialized():
         dist.init()
+
+
+def informative_groups_naive(rewards, weights, estimator, tol=1e-6, **options):
+    """estimators.informative_groups' twin on nested lists: does some sample's group-level advantage exceed tol?"""
+    from minigdpo.estimators import REGISTRY
+
+    groups = REGISTRY[estimator].naive_group_step(rewards, weights, **options)
+    return [any(abs(a) > tol for a in group) for group in groups]

@@ -64,3 +64,26 @@ def test_gpu_proxies_run_end_to_end():
     """The proxies' whole script, one rank (its update once read a micro-batch key that no longer exists)."""
     out = bench("gpu_proxies.py", *SMALL_QWEN2, "--chunk", "32")
     assert "share of matmul FLOPs in fp32" in out and "HF sampler host syncs per generated token" in out
+
+
+def test_vs_trl_gives_minigdpo_trls_dtype(monkeypatch):
+    """vs_trl.py's work is identical on both sides: TRL computes in fp32 on the CPU, so minigdpo must too, whatever
+    --dtype auto would pick on this CPU (bf16 where it has the instructions)."""
+    import argparse
+    import importlib.util
+
+    import torch
+
+    import train
+    from minigdpo import cli, models, plot
+
+    spec = importlib.util.spec_from_file_location("vs_trl", os.path.join(ROOT, "benchmarks", "vs_trl.py"))
+    vs_trl = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(vs_trl)
+    seen = []
+    monkeypatch.setattr(train, "main", seen.append)
+    monkeypatch.setattr(plot, "read_run", lambda out: [])
+    args = argparse.Namespace(group=8, prompts=4, micro_batch_size=16, steps=3, max_new_tokens=64)
+    vs_trl.run_minigdpo(args, "tiny-random", "data.jsonl")
+    dtype, _ = models.compute_dtype(cli.parse_args(seen[0]).dtype, torch.device("cpu"))
+    assert dtype == torch.float32

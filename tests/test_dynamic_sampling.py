@@ -16,7 +16,7 @@ from safetensors.torch import load_file
 from conftest import read_jsonl, run
 from minigdpo.advantages import Condition, apply_conditions
 from minigdpo.estimators import REGISTRY, informative_groups
-from minigdpo.estimators import informative_groups_naive
+from conftest import informative_groups_naive
 
 
 def groups(t):

@@ -270,6 +270,59 @@ def test_the_sampler_samples_sliding_window_models_with_their_own_log_probs(arch
             torch.testing.assert_close(torch.tensor(c.logprobs), want, atol=1e-5, rtol=0)
 
 
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-6), (torch.bfloat16, 2e-2)])
+def test_the_decode_kernel_is_sdpas_attention(dtype, tol):
+    """decode_attention on a decode step's shapes (grouped heads, padding in the cache) gives SDPA's output over the
+    repeated key heads: to fp32 rounding in fp32, to bf16's in bf16 (its softmax runs in fp32, SDPA's in bf16)."""
+    from transformers.integrations.sdpa_attention import repeat_kv
+
+    from minigdpo.sampler import decode_attention
+
+    torch.manual_seed(0)
+    N, H, K, L, D = 6, 8, 2, 23, 16
+    q = torch.randn(N, H, 1, D, dtype=dtype)
+    k, v = torch.randn(N, K, L, D, dtype=dtype), torch.randn(N, K, L, D, dtype=dtype)
+    mask = torch.rand(N, 1, 1, L) > 0.3
+    mask[..., -1] = True  # every row attends to its own new token
+    module = torch.nn.Module()
+    module.num_key_value_groups = H // K
+    got, _ = decode_attention(module, q, k, v, mask, scaling=0.3)
+    want = torch.nn.functional.scaled_dot_product_attention(q, repeat_kv(k, H // K), repeat_kv(v, H // K),
+                                                            attn_mask=mask, scale=0.3).transpose(1, 2)
+    assert got.shape == want.shape == (N, 1, H, D)
+    torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=0)
+
+
+def test_the_sampler_decodes_through_its_kernel_with_sdpas_completions():
+    """A grouped-query model: the HF sampler's copy decodes through decode_attention (its config names it, the
+    kernel runs at each decode step), and samples what SDPA samples, each log-prob within fp32 rounding."""
+    from minigdpo import sampler as sampling
+
+    lm = tiny_of("llama")
+    prompts = [[10, 11, 12, 13, 14, 15], [10, 11, 20], [30, 31, 32]]
+    hf = HFSampler(lm, [1], 0, torch.device("cpu"))
+    assert lm.config._attn_implementation == sampling.DECODE
+    calls, kernel = [], sampling.decode_attention
+
+    def counted(module, query, *args, **kwargs):
+        calls.append(query.shape[2])  # the new tokens per row: 1 at a decode step
+        return kernel(module, query, *args, **kwargs)
+
+    sampling.AttentionInterface.register(sampling.DECODE, counted)
+    try:
+        params = SamplingParams(temperature=0.9, max_new_tokens=12, seed=3, ignore_eos=True)
+        out = hf.generate(prompts, 2, params)
+    finally:
+        sampling.AttentionInterface.register(sampling.DECODE, kernel)
+    assert calls.count(1) == 11 * 2  # 11 decode steps (the first token comes from the prefill) x 2 layers
+    lm.config._attn_implementation = "sdpa"
+    alone = hf.generate(prompts, 2, params)
+    for group, same in zip(out, alone):
+        for c, d in zip(group, same):
+            assert c.token_ids == d.token_ids
+            torch.testing.assert_close(torch.tensor(c.logprobs), torch.tensor(d.logprobs), atol=1e-5, rtol=0)
+
+
 def test_sampler_prefills_a_shared_prefix_once_with_the_same_completions(tiny):
     """Prompts that share a system prompt: the prefix runs once, the rest per prompt after it (padding in
     between), and every completion and log-prob is what the prompt gets alone, within float tolerance."""

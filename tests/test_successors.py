@@ -18,7 +18,8 @@ import pytest
 import torch
 
 from minigdpo.advantages import VERL_STD_EPS, Condition, apply_conditions, gdpo_group
-from minigdpo.estimators import REGISTRY, informative_groups, informative_groups_naive
+from conftest import informative_groups_naive
+from minigdpo.estimators import REGISTRY, informative_groups
 from minigdpo.successors import gd2po, gd2po_group, saw_gdpo, saw_grpo, saw_weights
 
 # Two prompts, G = 4, rewards (correctness, format).
