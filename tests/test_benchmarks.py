@@ -87,3 +87,10 @@ def test_vs_trl_gives_minigdpo_trls_dtype(monkeypatch):
     vs_trl.run_minigdpo(args, "tiny-random", "data.jsonl")
     dtype, _ = models.compute_dtype(cli.parse_args(seen[0]).dtype, torch.device("cpu"))
     assert dtype == torch.float32
+
+
+def test_the_decode_kernel_benchmark_compares_with_sdpa():
+    out = bench("decode_attention.py", "--rows", "4", "--lengths", "24")
+    rows = [line.split() for line in out.splitlines()[1:]]
+    assert [r[:2] for r in rows] == [["24", "float32"], ["24", "bfloat16"]]
+    assert float(rows[0][-1]) < 1e-5  # fp32: SDPA's output to rounding
