@@ -30,9 +30,9 @@ What it learns, measured on 32 held-out products, 4 samples each at the preset's
 built in bf16 it calls on 0.28 of them and built in fp32 on 0.42; the calls are right 0.89 and 0.76 of the time (the
 rest mostly answer another number than the result), the direct answers never. Greedy, on the preset's 48 held-out
 products, the bf16 build calls on none, decoded in bf16 or in fp32, and the fp32 build on 1. So the choice is well
-short of even in either dtype: the preset's table starts near 0, and what it gains is RL's. The recipe before (16 steps, the first turn's
-choice alone) left the bf16 build's choice near even (sampled so, it called on 0.51), and the dtype tipped greedy
-decoding: 5 calls of 48 in bf16, all 48 in fp32.
+short of even in either dtype: the preset's table starts near 0, and what it gains is RL's. The recipe before (16
+steps, the first turn's choice alone) left the bf16 build's choice near even (sampled so, it called on 0.51), and
+the dtype tipped greedy decoding: 5 calls of 48 in bf16, all 48 in fp32.
 
 The fp32 build, on any CPU:
 
