@@ -19,7 +19,7 @@ NVlabs/GDPO trl-0.18.0-gdpo/trl/trainer/grpo_trainer.py, on NaN-free input):
   all-gather the rewards first.
 gdpo_verl and gdpo_nemo reproduce the other released GDPOs; their docstrings say where
 they depart from these rules. Each estimator has a loop-over-groups twin in
-minigdpo/advantages_naive.py, the tests' oracle.
+tests/advantages_naive.py, the tests' oracle.
 
 NaN marks a reward that does not apply to a sample. The estimators that normalise each
 reward (gdpo and its peers) leave it out of its group's statistics, and it contributes 0 to

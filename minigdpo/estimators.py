@@ -3,12 +3,12 @@
     REGISTRY[name].advantages(rewards, weights, lengths=None, **options)  # rewards (B, G, R), weights (R,) -> (B, G)
 
 GRPO, GDPO and the peers' GDPOs are in minigdpo/advantages.py, GDPO's successors in minigdpo/successors.py, and
-the loop-over-groups twin of each in minigdpo/advantages_naive.py. REGISTRY holds, for each name, the estimator,
-its group step (its advantages before any batch step), both twins and its own flags; the command line, dynamic
-sampling, examples/collapse.py and the tests all read their lists from it. A new estimator is one function, its
-naive twin, one entry here, its row in docs/estimators.md, and `python examples/collapse.py --write-docs` (the
-count tables README.md and docs/ show gain its column; tests/test_docs_tables.py compares them with the script),
-with no test to edit; tests/test_estimator_contract.py then checks it, as every entry, against the contract:
+the loop-over-groups twin of each in tests/advantages_naive.py (TWINS). REGISTRY holds, for each name, the
+estimator, its group step (its advantages before any batch step) and its own flags; the command line, dynamic
+sampling, examples/collapse.py and the tests all read their lists from it. A new estimator is one function, one
+entry here, its naive twin in TWINS, its row in docs/estimators.md, and `python examples/collapse.py --write-docs`
+(the count tables README.md and docs/ show gain its column; tests/test_docs_tables.py compares them with the
+script); tests/test_estimator_contract.py then checks it, as every entry, against the contract:
 
 - advantages(rewards (B, G, R), weights (R,) or None, eps=..., lengths=None, **options) -> (B, G), in the rewards'
   dtype; a batch step sees every group of the global batch;
@@ -27,8 +27,8 @@ with no test to edit; tests/test_estimator_contract.py then checks it, as every 
 from dataclasses import dataclass
 from typing import Callable
 
-from minigdpo import advantages_naive as naive, successors
-from minigdpo.advantages import NEMO_STD_EPS, STD_EPS, VERL_STD_EPS, gdpo, gdpo_group, gdpo_nemo, gdpo_nemo_group, \
+from minigdpo import successors
+from minigdpo.advantages import VERL_STD_EPS, gdpo, gdpo_group, gdpo_nemo, gdpo_nemo_group, \
     gdpo_verl, grpo, grpo_no_std, weights_of
 
 
@@ -36,8 +36,6 @@ from minigdpo.advantages import NEMO_STD_EPS, STD_EPS, VERL_STD_EPS, gdpo, gdpo_
 class Estimator:
     advantages: Callable          # (rewards, weights, lengths=None, **options) -> (B, G)
     group_step: Callable          # (rewards, weights, **options) -> (B, G), before any batch step
-    naive: Callable               # the twin of `advantages` on nested lists, the tests' oracle
-    naive_group_step: Callable
     options: Callable = lambda cfg: {}  # its keywords, from the run's config (its own flags)
     reads_lengths: bool = False   # its batch step weighs completions by their tokens (verl's whitening)
 
@@ -59,24 +57,16 @@ def _saw_options(cfg):
 
 
 REGISTRY = {
-    "grpo": Estimator(grpo, grpo, naive.grpo_naive, naive.grpo_naive),
-    "grpo_no_std": Estimator(grpo_no_std, grpo_no_std, naive.grpo_no_std_naive, naive.grpo_no_std_naive),
-    "gdpo": Estimator(gdpo, _gdpo_group, naive.gdpo_naive,
-                      lambda r, w: naive.grpo_naive(r, w) if len(r[0][0]) == 1 else naive.gdpo_sums(r, w, STD_EPS)),
-    "gdpo_verl": Estimator(gdpo_verl, lambda r, w: gdpo_group(r, w, VERL_STD_EPS), naive.gdpo_verl_naive,
-                           lambda r, w: naive.gdpo_sums(r, w, VERL_STD_EPS), reads_lengths=True),
-    "gdpo_nemo": Estimator(gdpo_nemo, gdpo_nemo_group, naive.gdpo_nemo_naive,
-                           lambda r, w: naive.nemo_sums(r, w, NEMO_STD_EPS)),
+    "grpo": Estimator(grpo, grpo),
+    "grpo_no_std": Estimator(grpo_no_std, grpo_no_std),
+    "gdpo": Estimator(gdpo, _gdpo_group),
+    "gdpo_verl": Estimator(gdpo_verl, lambda r, w: gdpo_group(r, w, VERL_STD_EPS), reads_lengths=True),
+    "gdpo_nemo": Estimator(gdpo_nemo, gdpo_nemo_group),
     "gd2po": Estimator(successors.gd2po,
                        lambda r, w, mode="snr", tau=0.8: successors.gd2po_group(r, w, mode=mode, tau=tau)[0],
-                       naive.gd2po_naive,
-                       lambda r, w, mode="snr", tau=0.8: naive.gd2po_sums(r, w, VERL_STD_EPS, None, mode, tau)[0],
                        _gd2po_options, reads_lengths=True),
-    "saw_gdpo": Estimator(successors.saw_gdpo, _saw_gdpo_group, naive.saw_gdpo_naive,
-                          lambda r, w, shift=None: naive.gdpo_sums(r, naive.saw_times(r, w, shift), VERL_STD_EPS),
-                          _saw_options, reads_lengths=True),
-    "saw_grpo": Estimator(successors.saw_grpo, successors.saw_grpo, naive.saw_grpo_naive, naive.saw_grpo_naive,
-                          _saw_options),
+    "saw_gdpo": Estimator(successors.saw_gdpo, _saw_gdpo_group, _saw_options, reads_lengths=True),
+    "saw_grpo": Estimator(successors.saw_grpo, successors.saw_grpo, _saw_options),
 }
 
 

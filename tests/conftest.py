@@ -116,7 +116,7 @@ def process_group_survives():
 
 def informative_groups_naive(rewards, weights, estimator, tol=1e-6, **options):
     """estimators.informative_groups' twin on nested lists: does some sample's group-level advantage exceed tol?"""
-    from minigdpo.estimators import REGISTRY
+    from advantages_naive import TWINS
 
-    groups = REGISTRY[estimator].naive_group_step(rewards, weights, **options)
+    groups = TWINS[estimator][1](rewards, weights, **options)
     return [any(abs(a) > tol for a in group) for group in groups]

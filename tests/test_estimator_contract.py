@@ -10,7 +10,7 @@ import os
 import pytest
 import torch
 
-from minigdpo import advantages_naive as naive
+import advantages_naive as naive
 from minigdpo.advantages import grpo
 from minigdpo.config import Config
 from minigdpo.estimators import REGISTRY, Estimator
@@ -20,19 +20,20 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 W = [1.0, 0.5, 2.0]
 
 
-def check_contract(est):
-    """Every clause of the contract, for one Estimator; AssertionError naming the clause that fails."""
+def check_contract(est, twin, twin_group):
+    """Every clause of the contract, for one Estimator and its twins (tests/advantages_naive.py); AssertionError
+    naming the clause that fails."""
     weights = torch.tensor(W, dtype=torch.float64)
     for seed in range(3):
         r = random_rewards_with_holes(seed)                                                    # (6, 5, 3), NaNs
         lengths = torch.randint(0, 9, r.shape[:2], generator=torch.Generator().manual_seed(seed))
         got = est.advantages(r, weights, lengths=lengths)
-        want = torch.tensor(est.naive(r.tolist(), W, lengths=lengths.tolist()), dtype=torch.float64)
+        want = torch.tensor(twin(r.tolist(), W, lengths=lengths.tolist()), dtype=torch.float64)
         torch.testing.assert_close(got, want, atol=1e-9, rtol=0, msg="the twin computes other advantages")
         assert got.shape == r.shape[:2] and torch.isfinite(got).all(), "advantages must be finite, (B, G)"
         group = est.group_step(r, weights)
-        twin = torch.tensor(est.naive_group_step(r.tolist(), W), dtype=torch.float64)
-        torch.testing.assert_close(group, twin, atol=1e-9, rtol=0, msg="the group step's twin differs")
+        want_group = torch.tensor(twin_group(r.tolist(), W), dtype=torch.float64)
+        torch.testing.assert_close(group, want_group, atol=1e-9, rtol=0, msg="the group step's twin differs")
         dense = torch.rand(r.shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
         with_lengths = est.advantages(dense, weights, lengths=lengths + 1)
         if est.reads_lengths:
@@ -58,7 +59,8 @@ def check_contract(est):
 
 @pytest.mark.parametrize("name", sorted(REGISTRY))
 def test_every_registered_estimator_meets_the_contract(name):
-    check_contract(REGISTRY[name])
+    assert name in naive.TWINS, f"{name} has no naive twin in tests/advantages_naive.py's TWINS"
+    check_contract(REGISTRY[name], *naive.TWINS[name])
 
 
 @pytest.mark.parametrize("name", sorted(REGISTRY))
@@ -72,8 +74,8 @@ def test_every_registered_estimator_has_its_row_in_the_docs_and_the_help(name):
 def test_a_new_entry_with_its_right_twin_passes_and_with_a_wrong_twin_fails():
     """What registering one estimator takes: a copy of GRPO with its own twin meets the contract; the same entry
     with another estimator's twin (GRPO without the std) does not."""
-    check_contract(Estimator(grpo, grpo, naive.grpo_naive, naive.grpo_naive))
+    check_contract(Estimator(grpo, grpo), naive.grpo_naive, naive.grpo_naive)
     with pytest.raises(AssertionError, match="twin"):
-        check_contract(Estimator(grpo, grpo, naive.grpo_no_std_naive, naive.grpo_no_std_naive))
+        check_contract(Estimator(grpo, grpo), naive.grpo_no_std_naive, naive.grpo_no_std_naive)
     with pytest.raises(AssertionError, match="reads_lengths"):
-        check_contract(Estimator(grpo, grpo, naive.grpo_naive, naive.grpo_naive, reads_lengths=True))
+        check_contract(Estimator(grpo, grpo, reads_lengths=True), naive.grpo_naive, naive.grpo_naive)

@@ -1,6 +1,8 @@
 """The advantage estimators again, one group at a time in plain Python floats: slow and obvious on
-purpose. The tests use them as the oracle of the vectorised ones in minigdpo/advantages.py, which
-states each equation. rewards is a nested list (B, G, R) of floats, NaN where a reward does not apply.
+purpose. The tests use them as the oracle of the vectorised ones in minigdpo/advantages.py and
+minigdpo/successors.py, which state each equation. rewards is a nested list (B, G, R) of floats, NaN where a
+reward does not apply. TWINS, at the end, pairs every registered estimator (minigdpo/estimators.py) with its twin
+and its group step's twin; tests/test_estimator_contract.py fails for an estimator that has none.
 """
 
 import math
@@ -189,3 +191,15 @@ def saw_gdpo_naive(rewards, weights=None, eps=VERL_STD_EPS, lengths=None, shift=
 def saw_grpo_naive(rewards, weights=None, eps=VERL_STD_EPS, lengths=None, shift=None):
     """Loop-over-groups SAW-GRPO: GRPO's group z-score of the SAW-weighted sum."""
     return grpo_naive(rewards, saw_times(rewards, weights, shift), eps)
+
+
+TWINS = {  # name -> (the twin of REGISTRY[name].advantages, the twin of its group step)
+    "grpo": (grpo_naive, grpo_naive),
+    "grpo_no_std": (grpo_no_std_naive, grpo_no_std_naive),
+    "gdpo": (gdpo_naive, lambda r, w: grpo_naive(r, w) if len(r[0][0]) == 1 else gdpo_sums(r, w, STD_EPS)),
+    "gdpo_verl": (gdpo_verl_naive, lambda r, w: gdpo_sums(r, w, VERL_STD_EPS)),
+    "gdpo_nemo": (gdpo_nemo_naive, lambda r, w: nemo_sums(r, w, NEMO_STD_EPS)),
+    "gd2po": (gd2po_naive, lambda r, w, mode="snr", tau=0.8: gd2po_sums(r, w, VERL_STD_EPS, None, mode, tau)[0]),
+    "saw_gdpo": (saw_gdpo_naive, lambda r, w, shift=None: gdpo_sums(r, saw_times(r, w, shift), VERL_STD_EPS)),
+    "saw_grpo": (saw_grpo_naive, saw_grpo_naive),
+}
