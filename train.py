@@ -39,7 +39,7 @@ import time
 import torch
 
 from minigdpo import checkpoint, cli, config, dist, dynamic_sampling, logprobs, lora, microbatch, models, pipeline, \
-    policy, rollout, scoring, tools
+    policy, rollout, scoring, split, tools
 from minigdpo.advantages import Condition, advantage_stats, apply_conditions
 from minigdpo.estimators import REGISTRY
 from minigdpo.data import DataError
@@ -67,11 +67,13 @@ def run_training(argv=None):
     if lora_settings:
         policy.check_lora_targets(path, lora_settings.targets)
     try:
-        device = dist.init(cfg.sharding)
-    except ValueError as e:  # nodes with different numbers of ranks cannot form an HSDP mesh
-        raise config.ConfigError(f"--sharding {cfg.sharding}: {e}") from None
-    sizes = config.resolve(cfg, dist.world_size(), len(task.examples), dist.mesh().shape)
-    sampling_group = dist.sampling_group() if cfg.async_steps else None  # every rank makes it, here
+        device = dist.init(cfg.sharding, cfg.sampler_ranks)  # with --sampler-ranks, this rank trains or samples
+    except ValueError as e:  # nodes with different numbers of ranks cannot form an HSDP mesh; no rank left to train
+        raise config.ConfigError(str(e)) from None
+    role, others = dist.role(), len(dist.other_ranks()) if cfg.sampler_ranks else 0  # minigdpo/split.py
+    sizes = config.resolve(cfg, dist.world_size(), len(task.examples), getattr(dist.mesh(), "shape", ()), others)
+    # The sampling thread's group, colocated (a split run's sampling ranks have theirs); every rank makes it, here.
+    sampling_group = dist.sampling_group() if cfg.async_steps and not cfg.sampler_ranks else None
     checkpoint.check_shared(cfg.output_dir)  # multi-node: one filesystem for every rank, checked before any load
     run = config.describe(cfg, sizes) | {"rewards": names}
     dist.print0(f"minigdpo: {cfg.estimator} on {cfg.task} ({len(task.examples)} prompts"
@@ -85,33 +87,44 @@ def run_training(argv=None):
     agent = toolbox and tools.Agent(toolbox, tokenizer, cfg.max_tool_calls, cfg.model, context, cfg.tool_timeout)
     dtype, why = models.compute_dtype(cfg.dtype, device)
     dist.print0(f"compute dtype {str(dtype).removeprefix('torch.')}: {why}")
-    # Not sharded beside an asynchronous trainer: its gathers and the trainer's would meet from two threads.
-    placement = "resident" if cfg.async_steps and cfg.reward_model_placement == "auto" else cfg.reward_model_placement
-    scorer.place_models(device, dtype, cfg.reward_model_batch_size, placement, policy.build_classifier)
-    compiled = cfg.compile == "true" or (cfg.compile == "auto" and device.type == "cuda")
-    model = policy.build(path, device, dtype, cfg.grad_checkpointing, lora_settings=lora_settings, compile=compiled,
-                         context=context)
-    ref = None  # with LoRA the reference is the policy with its adapters off
-    if cfg.beta > 0 and not lora_settings:
-        ref = policy.build(path, device, dtype, frozen=True, offload=cfg.ref_offload, compile=compiled, context=context)
-    lm_config = model.lm.config
-    opt = optimizer(model, cfg.lr, cfg.weight_decay)  # the parameters that require grad: with LoRA, the adapters
-    n_trainable, n_params = lora.trainable_count(model)  # global counts, also under FSDP
-    dist.print0(f"parameters: {n_params:,}, trainable: {n_trainable:,}")
-    # Model FLOPs per token of an update pass: forward 2N, input gradients 2N, weight gradients 2 per trainable
-    # parameter (6N in full fine-tuning; LoRA's frozen weights get none). Recomputation is not counted (MFU).
-    flops_per_token = 4 * n_params + 2 * n_trainable
-    attention_flops = 12 * lm_config.num_hidden_layers * lm_config.hidden_size  # per causal (query, key) pair
-    sched = scheduler(opt, sizes.total_steps * cfg.num_iterations, cfg.warmup_ratio, cfg.lr_schedule)
-    stop_ids = models.stop_token_ids(model.lm.config, model.lm.generation_config, tokenizer)
-    sampler = make_sampler(cfg.sampler, path, device, tokenizer, stop_ids, dtype, seed=cfg.seed + dist.rank(),
-                           gpu_memory_utilization=cfg.vllm_gpu_memory_utilization, kv_cache_gib=cfg.vllm_kv_cache_gib,
-                           max_model_len=cfg.max_prompt_len + cfg.max_new_tokens, lora_settings=lora_settings)
+    # Not sharded beside an asynchronous trainer (its gathers and the trainer's would meet from two threads), nor on
+    # sampling ranks, which have no mesh; the ranks that only train score nothing.
+    auto_resident = (cfg.async_steps or cfg.sampler_ranks) and cfg.reward_model_placement == "auto"
+    if role != "trainer":
+        scorer.place_models(device, dtype, cfg.reward_model_batch_size,
+                            "resident" if auto_resident else cfg.reward_model_placement, policy.build_classifier)
+    model = ref = opt = sched = None  # a sampling rank (--sampler-ranks) has none of them
+    if role != "sampler":
+        compiled = cfg.compile == "true" or (cfg.compile == "auto" and device.type == "cuda")
+        model = policy.build(path, device, dtype, cfg.grad_checkpointing, lora_settings=lora_settings,
+                             compile=compiled, context=context)
+        if cfg.beta > 0 and not lora_settings:  # with LoRA the reference is the policy with its adapters off
+            ref = policy.build(path, device, dtype, frozen=True, offload=cfg.ref_offload, compile=compiled,
+                               context=context)
+        lm_config = model.lm.config
+        opt = optimizer(model, cfg.lr, cfg.weight_decay)  # the parameters that require grad: with LoRA, the adapters
+        n_trainable, n_params = lora.trainable_count(model)  # global counts, also under FSDP
+        dist.print0(f"parameters: {n_params:,}, trainable: {n_trainable:,}")
+        # Model FLOPs per token of an update pass: forward 2N, input gradients 2N, weight gradients 2 per trainable
+        # parameter (6N in full fine-tuning; LoRA's frozen weights get none). Recomputation is not counted (MFU).
+        flops_per_token = 4 * n_params + 2 * n_trainable
+        attention_flops = 12 * lm_config.num_hidden_layers * lm_config.hidden_size  # per causal (query, key) pair
+        sched = scheduler(opt, sizes.total_steps * cfg.num_iterations, cfg.warmup_ratio, cfg.lr_schedule)
+        if model.refusal:
+            dist.print0(model.fallback_line(cfg.logprob_chunk, cfg.max_new_tokens))
+    lm = model.lm if model is not None else models.empty_model(path, dtype)  # a sampling rank's: on the meta device
+    stop_ids = models.stop_token_ids(lm.config, lm.generation_config, tokenizer)
+    if role == "trainer":  # the sampling ranks hold the sampler (minigdpo/split.py)
+        sampler = split.Remote(adapters_only=bool(lora_settings))
+    else:
+        sampler = make_sampler(cfg.sampler, path, device, tokenizer, stop_ids, dtype, seed=cfg.seed + dist.rank(),
+                               gpu_memory_utilization=cfg.vllm_gpu_memory_utilization,
+                               kv_cache_gib=cfg.vllm_kv_cache_gib, max_model_len=context, lora_settings=lora_settings)
     gap_warn = cfg.logp_gap_warn or (1e-3 if dtype == torch.float32 else 0.05)  # config.py's logp_gap_warn
     save_dtype = models.source_dtype(path)  # exports keep the checkpoint's dtype, not the fp32 master copy's
 
     start, cursor, pending = 0, 0, []
-    if cfg.resume:
+    if cfg.resume and role != "sampler":  # the sampling ranks learn where the run starts from the trainers
         last, removed = checkpoint.resume_point(cfg.output_dir)  # decided on rank 0, the same on every rank
         for p in removed:
             dist.print0(f"removed incomplete checkpoint {p}")
@@ -123,9 +136,7 @@ def run_training(argv=None):
             sampler.load_weights(model.whole_weights(dtype, adapters_only=sampler.adapters_only))
             dist.print0(f"resumed from {last} at step {start}")
 
-    if model.refusal:
-        dist.print0(model.fallback_line(cfg.logprob_chunk, cfg.max_new_tokens))
-    order, self_check, check_due = PromptOrder(len(task.examples), cfg.seed), {}, model.fast
+    order, self_check, check_due = PromptOrder(len(task.examples), cfg.seed), {}, model is not None and model.fast
     options = REGISTRY[cfg.estimator].options(cfg)  # the estimator's own flags (gd2po's mode and tau, SAW's shift)
     log = Logger(cfg.output_dir, sizes.total_steps, start, run, cfg.wandb)
 
@@ -147,7 +158,12 @@ def run_training(argv=None):
         batch.seconds = seconds
         return batch, cursor
 
-    pipe = pipeline.Pipeline(cfg.async_steps, start, sizes.total_steps, sample, sampler.load_weights, pending)
+    if cfg.sampler_ranks:  # the trainers tell the sampling ranks where the run starts and send them its weights
+        pipe, start, cursor = split.pipeline(
+            cfg.async_steps, start, cursor, pending, sizes.total_steps, sample, sampler,
+            lambda: model.whole_weights(dtype, adapters_only=sampler.adapters_only))
+    else:
+        pipe = pipeline.Pipeline(cfg.async_steps, start, sizes.total_steps, sample, sampler.load_weights, pending)
 
     def train():
         """Steps 4-8 of every step, in order (with --async-steps, in a thread of its own: pipeline.py)."""
@@ -258,9 +274,10 @@ def run_training(argv=None):
         del model, ref, opt, sched  # so that dist.cleanup can end the process group (docs/reliability.md)
         log.close()  # and the bar ends before an error's line, not at exit after it
     dist.print0(start_end_table(log.first, log.recent, names))
-    if cfg.final_eval:  # every rank, with the trainer's own sampler: no second vLLM engine in this process
+    if cfg.final_eval and role != "trainer":  # with the run's own sampler: no second vLLM engine in this process
         import eval as evaluation
 
+        dist.speak()  # a split run's sampling ranks evaluate, and their first one prints
         evaluation.after_training(cfg, sampler, tokenizer)
     dist.barrier()  # every rank got here: main's cleanup may close the connections
     sampler.close()  # a vLLM engine shuts down while the process group it joined is still up
@@ -326,6 +343,6 @@ if __name__ == "__main__":
     transformers.utils.logging.disable_progress_bar()
     try:
         main()
-    except (config.ConfigError, DataError, SamplerUnavailable, RewardModelError, RewardError) as e:
+    except (config.ConfigError, DataError, SamplerUnavailable, RewardModelError, RewardError, split.SamplerLost) as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)

@@ -204,6 +204,9 @@ class Config:
     async_steps: int = 0
     """K: batches sampled and scored ahead of the update, while it trains (minigdpo/pipeline.py); step s is sampled by
     the weights of update s - 1 - K at the oldest. 0: each step samples, then trains (no overlap)."""
+    sampler_ranks: int = 0
+    """N: the last N ranks of the job only sample, each with a whole copy of the weights, which the others, training,
+    send them after each update (minigdpo/split.py). 0: every rank samples and trains (colocated)."""
     importance_sampling_cap: float = -1.0
     """C of the truncated importance weight min(pi_old / pi_sampler, C) on the surrogate: the decoupled objective,
     which corrects for stale and mismatched sampler weights (docs/estimators.md). -1: 2 with --async-steps >= 1
@@ -271,6 +274,11 @@ def validate(cfg):
     _check(not (cfg.async_steps and cfg.reward_model_placement == "shard"),
            "--reward-model-placement shard cannot run with --async-steps: a sharded reward model gathers its layers "
            "over the ranks while the trainer's FSDP2 does too, from another thread (use resident or offload)")
+    _check(cfg.sampler_ranks >= 0, f"--sampler-ranks must be >= 0, got {cfg.sampler_ranks}")
+    for refused, setting, why in ((cfg.sharding == "hsdp", "--sharding hsdp", "the trainers' mesh is flat"),
+                                  (cfg.reward_model_placement == "shard", "--reward-model-placement shard",
+                                   "the sampling ranks, which score, hold no mesh")):
+        _check(not (refused and cfg.sampler_ranks), f"{setting} cannot run with --sampler-ranks ({why})")
     _check(bool(cfg.model.strip()), "--model must not be empty")
     _check(bool(cfg.output_dir.strip()), "--output-dir must not be empty")
     _check(cfg.seed >= 0, f"--seed must be >= 0, got {cfg.seed}")
@@ -311,20 +319,23 @@ class Sizes:
     grad_accum: int            # micro-batches per optimizer step on one rank (0: by tokens, it depends on lengths)
     total_steps: int           # RL steps (each is num_iterations optimizer steps)
     mesh: tuple = ()           # FSDP2 device mesh: (ranks,) flat, or (nodes, ranks per node) for HSDP
+    groups_unit: int = 1       # a step's groups come in multiples of this (dynamic sampling): whole shares per rank
 
 
-def resolve(cfg, world_size, num_prompts, mesh=()):
-    """Derive sizes for `world_size` ranks and a prompt set of `num_prompts` from a validated config."""
-    _check(cfg.batch_size % (world_size * cfg.group_size) == 0,
-           f"--batch-size {cfg.batch_size} must divide by world size x group size = {world_size} x {cfg.group_size}, "
-           "so that every rank holds whole groups")
+def resolve(cfg, world_size, num_prompts, mesh=(), others=0):
+    """Derive sizes for `world_size` ranks and a prompt set of `num_prompts` from a validated config; others: with
+    --sampler-ranks, the other role's ranks (world_size is this role's), which must hold whole groups too."""
+    for world in (world_size, others or 1):
+        _check(cfg.batch_size % (world * cfg.group_size) == 0,
+               f"--batch-size {cfg.batch_size} must divide by world size x group size = {world} x {cfg.group_size}, "
+               "so that every rank holds whole groups" + (" (trainers and samplers alike)" if others else ""))
     prompts = cfg.batch_size // cfg.group_size
     per_rank = prompts // world_size
     seqs = per_rank * cfg.group_size
     _check(num_prompts >= 1, "the prompt set is empty")
     steps = cfg.max_steps or max(1, int(cfg.epochs * num_prompts) // prompts)
     accum = 0 if cfg.micro_batch_tokens else math.ceil(seqs / cfg.micro_batch_size)
-    return Sizes(world_size, prompts, per_rank, seqs, accum, steps, tuple(mesh))
+    return Sizes(world_size, prompts, per_rank, seqs, accum, steps, tuple(mesh), math.lcm(world_size, others or 1))
 
 
 def describe(cfg, derived):

@@ -1,5 +1,5 @@
-"""Everything torch.distributed: process group, rank helpers, collectives, the device mesh, FSDP2
-sharding and sharded checkpoints. No other file imports torch.distributed.
+"""Everything torch.distributed but FSDP2: process group, rank helpers, collectives, the device mesh.
+minigdpo/fsdp.py does FSDP2's sharding and the sharded checkpoints; no third file imports torch.distributed.
 
 A plain `python train.py` is world size 1 on the same code path: it initialises a
 one-process group (gloo on CPU, NCCL on GPU) so that FSDP2 and the collectives work unchanged.
@@ -12,35 +12,39 @@ With --async-steps the sampling side (minigdpo/pipeline.py) gathers its rewards 
 collectives run in another thread. Collectives of one group must come in the same order on every rank, which two
 threads cannot promise, so the sampling thread's go to a gloo group of their own (`sampling_group`): the wrappers
 send the calling thread's collectives to its group, on the host.
+
+With --sampler-ranks N (minigdpo/split.py) the last N ranks only sample and the others only train: rank(),
+world_size() and every collective here are then those of this rank's role, the trainers' FSDP2 mesh is theirs
+alone, and the two roles meet only on the split placement's own groups (send_object, recv_object, bridge, announce).
 """
 
 import datetime
 import gc
 import os
+import pickle
 import threading
 import traceback
 from contextlib import contextmanager
 
 import torch
 import torch.distributed as tdist
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
-from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard, \
-    register_fsdp_forward_method
-from torch.distributed.tensor import DTensor
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 _device = None   # the training device, set by init(): every collective's tensors go there
 _mesh = None     # the FSDP2 device mesh, built once by init()
 _thread = threading.local()  # .group: the calling thread's own process group (the sampling thread's, async)
+_role = "both"   # with --sampler-ranks: "trainer" or "sampler" (init)
+_groups = {}     # --sampler-ranks: "role" (this rank's role), "bridge" (trainer 0 and the samplers), "channel" (all)
+_voice = True    # is_main() may speak: a sampling rank speaks only for the final evaluation (speak)
 TIMEOUT = datetime.timedelta(minutes=30)  # for every process group: a collective waits this long for a late rank
 
 
-def init(sharding="auto"):
+def init(sharding="auto", sampler_ranks=0):
     """Join (or create) the process group and build the device mesh; returns this rank's device.
 
     sharding: fsdp shards every parameter over all ranks; hsdp shards within a node and replicates
-    across nodes (a 2-D mesh); auto picks hsdp when the run spans more than one node.
+    across nodes (a 2-D mesh); auto picks hsdp when the run spans more than one node. sampler_ranks: the last
+    ones only sample (split), and the mesh is the other ranks', flat.
     """
     global _device, _mesh
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
@@ -62,12 +66,33 @@ def init(sharding="auto"):
         os.environ.setdefault("TORCH_DIST_INIT_BARRIER", "1")
         tdist.init_process_group(backend, **kwargs)
     _device = device
+    if sampler_ranks:
+        return _split(device, sampler_ranks)
     shape = mesh_shape(sharding, world_size(), int(os.environ.get("LOCAL_WORLD_SIZE", world_size())))
     names = ("replicate", "shard") if len(shape) == 2 else ("shard",)
     # A flat mesh reuses the world group. HSDP's groups are new ones, and a group created without a timeout
     # gets its backend's default (NCCL: 10 minutes, distributed_c10d._get_default_timeout), not the world's.
     _mesh = init_device_mesh(device.type, shape, mesh_dim_names=names,
                              backend_override={name: _options(device) for name in names} if len(shape) == 2 else None)
+    return device
+
+
+def _split(device, n):
+    """--sampler-ranks n: the last n ranks sample, the others train (minigdpo/split.py). Every rank makes every
+    group, in the same order; the sampling ranks' collectives and the channel run on gloo, with host tensors."""
+    global _role, _mesh, _voice
+    world = tdist.get_world_size()
+    if not 0 < n < world:
+        raise ValueError(f"--sampler-ranks {n} leaves no rank to train in a job of {world} ranks")
+    trainers, samplers = list(range(world - n)), list(range(world - n, world))
+    _groups.update(trainer=tdist.new_group(trainers, timeout=TIMEOUT),
+                   sampler=tdist.new_group(samplers, backend="gloo", timeout=TIMEOUT),
+                   bridge=tdist.new_group([0] + samplers, timeout=TIMEOUT),
+                   channel=tdist.new_group(backend="gloo", timeout=TIMEOUT))
+    _role = "trainer" if tdist.get_rank() in trainers else "sampler"
+    _groups["role"], _voice = _groups[_role], _role == "trainer"
+    if _role == "trainer":
+        _mesh = DeviceMesh.from_group(_groups["trainer"], device.type, mesh_dim_names=("shard",))
     return device
 
 
@@ -81,7 +106,8 @@ def _options(device):
 def mesh_shape(sharding, world, local_world):
     """(world,) for a flat mesh; (nodes, ranks per node) for HSDP, which all-gathers only within a node."""
     if local_world < 1 or world % local_world:
-        raise ValueError(f"world size {world} is not a whole number of nodes of {local_world} ranks")
+        raise ValueError(f"--sharding {sharding}: world size {world} is not a whole number of nodes of {local_world} "
+                         "ranks")
     if sharding == "hsdp" or (sharding == "auto" and local_world < world):
         return (world // local_world, local_world)
     return (world,)
@@ -103,7 +129,7 @@ def cleanup(error=None):
     abort the process at exit (docs/reliability.md). The model and optimizer hold the groups, so the caller lets go
     of them first (train.main; on an error path the frames of `error`'s traceback and its causes are released
     here); the mesh lets go of its groups here, and a collection joins the rest (tests/test_cluster.py counts)."""
-    global _mesh
+    global _mesh, _role, _voice
     todo, seen = [error], set()
     while todo:
         e = todo.pop()
@@ -111,7 +137,8 @@ def cleanup(error=None):
             seen.add(id(e))
             traceback.clear_frames(e.__traceback__)
             todo += [e.__cause__, e.__context__]
-    mesh, _mesh = _mesh, None
+    mesh, _mesh, _role, _voice = _mesh, None, "both", True
+    _groups.clear()
     if tdist.is_initialized():
         tdist.destroy_process_group()
     if mesh is not None:
@@ -125,15 +152,33 @@ def is_initialized():
 
 
 def rank():
-    return tdist.get_rank() if tdist.is_initialized() else 0
+    """This rank in its role's group (the world's, without --sampler-ranks)."""
+    return tdist.get_rank(_groups.get("role")) if tdist.is_initialized() else 0
 
 
 def world_size():
-    return tdist.get_world_size() if tdist.is_initialized() else 1
+    return tdist.get_world_size(_groups.get("role")) if tdist.is_initialized() else 1
+
+
+def role():
+    """"both"; with --sampler-ranks, "trainer" or "sampler"."""
+    return _role
+
+
+def other_ranks():
+    """With --sampler-ranks, the other role's ranks, in the world's numbering (the trainers come first)."""
+    world, mine = tdist.get_world_size(), world_size()
+    return list(range(mine, world)) if _role == "trainer" else list(range(world - mine))
 
 
 def is_main():
-    return rank() == 0
+    return rank() == 0 and _voice
+
+
+def speak():
+    """The sampling ranks' first rank becomes their main: it prints and writes (the final evaluation)."""
+    global _voice
+    _voice = True
 
 
 def print0(*args, **kwargs):
@@ -158,12 +203,13 @@ def collectives_on(group):
 
 
 def _group():
-    return getattr(_thread, "group", None)
+    return getattr(_thread, "group", None) or _groups.get("role")
 
 
 def _here():
-    """Where this thread's collectives keep their tensors: the host on its own gloo group, else the training device."""
-    return torch.device("cpu") if _group() is not None else device()
+    """Where this thread's collectives keep their tensors: the host on a gloo group of its own or the sampling ranks',
+    else the training device."""
+    return torch.device("cpu") if getattr(_thread, "group", None) is not None or _role == "sampler" else device()
 
 
 def barrier():
@@ -224,134 +270,31 @@ def broadcast_object(obj, src=0):
     return box[0]
 
 
-def shard(model, layers, param_dtype=None, offload=False, reshard_after_forward=True, forward_methods=()):
-    """FSDP2: fully_shard each decoder layer, then the root, over the mesh built by init().
-
-    param_dtype (e.g. bf16) casts parameters for compute while master weights and gradient
-    reduction stay fp32. offload keeps the shards in CPU memory (for the frozen reference); pinned
-    memory needs an accelerator, so it is pinned only on one. forward_methods: names of layer methods
-    that FSDP2 treats as forward calls too (gather before, free after), where a layer has them.
-    """
-    kwargs = dict(mesh=_mesh, mp_policy=MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32))
-    if offload:
-        kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=device().type != "cpu")
-    for layer in layers:
-        fully_shard(layer, reshard_after_forward=reshard_after_forward, **kwargs)
-        for name in forward_methods:
-            if hasattr(layer, name):
-                register_fsdp_forward_method(layer, name)
-    fully_shard(model, **kwargs)  # the root keeps its parameters between forward and backward
-    return model
+def send_object(obj, dst):
+    """Send a picklable object to rank `dst` (of the world) over the split placement's channel, without waiting:
+    returns a function that waits until it is sent."""
+    data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
+    works = [tdist.isend(t, dst, group=_groups["channel"]) for t in (torch.tensor([len(data)]), data)]
+    return lambda: [work.wait() for work in works] and data
 
 
-def reduce_gradients(model, reduce_scatter, all_reduce):
-    """Whether the next backward reduces gradients over ranks: the reduce-scatter (over the shard dimension)
-    and, with HSDP, the all-reduce across nodes. Gradients of backwards that skip a reduction accumulate
-    (FSDP2's set_requires_gradient_sync / set_requires_all_reduce) until one reduces them all."""
-    model.set_requires_gradient_sync(reduce_scatter)
-    model.set_requires_all_reduce(reduce_scatter and all_reduce)
+def recv_object(src):
+    """What rank `src` (of the world) sent this rank with send_object, the next in its order."""
+    size = torch.empty(1, dtype=torch.int64)
+    tdist.recv(size, src, group=_groups["channel"])
+    data = torch.empty(int(size), dtype=torch.uint8)
+    tdist.recv(data, src, group=_groups["channel"])
+    return pickle.loads(data.numpy().tobytes())
 
 
-def materialize(model, device, read, block_bytes=8 * 1024**2):
-    """Allocate a model that was built on the meta device and sharded by shard(), filling each of
-    this rank's shards with read(name, start, stop): rows start:stop (dim 0) of parameter `name`.
-
-    FSDP2 shards dim 0 as torch.chunk does, so a rank's shard is one block of whole rows. They are
-    read about block_bytes at a time, so that memory beyond the shards stays small. Buffers are
-    allocated too, uninitialised: the caller computes them.
-    """
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
-    model.to_empty(device=device)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if isinstance(p, DTensor):
-                local = p.to_local()
-                shape, offset = compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)
-            else:
-                local, shape, offset = p, p.shape, (0,) * p.dim()
-            step = max(1, block_bytes // max(1, local[:1].numel() * local.element_size()))  # rows per read
-            for r in range(0, shape[0] if local.numel() else 0, step):
-                n = min(step, shape[0] - r)
-                local[r:r + n].copy_(read(name, offset[0] + r, offset[0] + r + n))
+def bridge(tensor, wait=True):
+    """Broadcast `tensor` from rank 0 (the first trainer) to the sampling ranks, into theirs. wait=False returns the
+    pending work at once (the sender keeps the tensor until it completes)."""
+    return tdist.broadcast(tensor, src=0, group=_groups["bridge"], async_op=not wait)
 
 
-def reshard(model):
-    """Free every gathered parameter of a sharded model, keeping only this rank's shards.
-
-    FSDP2 keeps a root's parameters gathered after its forward, for the backward that follows;
-    a model that runs no backward (the frozen reference) would hold them until its next pass.
-    """
-    for m in model.modules():
-        if isinstance(m, FSDPModule):
-            m.reshard()
-
-
-def full_tensor(t, main_only=False):
-    """The whole tensor behind a (possibly sharded) parameter. Every rank must call it, in the same order.
-
-    main_only=True gathers it on rank 0 alone and returns None on the other ranks: for a writer that
-    only rank 0 runs (the Hugging Face export), no other rank holds a whole tensor.
-    """
-    if not main_only or world_size() == 1:
-        return t.full_tensor() if isinstance(t, DTensor) else t
-    if not isinstance(t, DTensor):
-        return t if is_main() else None
-    # FSDP2 shards dim 0 along the mesh's last dimension, as torch.chunk does: equal blocks of
-    # ceil(rows / ranks) rows, the last ones shorter or empty. Rank 0 gathers its node's blocks (with
-    # HSDP, the other nodes hold replicas of them and take no part), padded to one size, then trims.
-    group = t.device_mesh.get_group(t.device_mesh.ndim - 1)
-    if 0 not in tdist.get_process_group_ranks(group):  # another node's replica of the same blocks
-        return None
-    local, rows = t.to_local(), t.shape[0]
-    block = -(-rows // tdist.get_world_size(group))
-    padded = local.new_zeros((block,) + tuple(local.shape[1:]))
-    padded[:local.shape[0]] = local
-    blocks = [torch.empty_like(padded) for _ in range(tdist.get_world_size(group))] if is_main() else None
-    tdist.gather(padded, blocks, group_dst=0, group=group)
-    return torch.cat(blocks)[:rows] if is_main() else None
-
-
-class SaveError(OSError):
-    """A sharded save failed; raised on every rank, with `ranks`, those where it failed."""
-
-
-def save_sharded(model, optimizer, path):
-    """Each rank writes its shards of model and optimizer state (torch.distributed.checkpoint).
-
-    DCP gathers every rank's write result, so a write that fails on one rank raises on all of them.
-    Frozen parameters (a LoRA model's base weights) are left out: they never change, and resume
-    reads them from the model's own checkpoint again.
-    """
-    model_sd, optim_sd = get_state_dict(model, optimizer, options=StateDictOptions(ignore_frozen_params=True))
-    try:
-        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=path)
-    except dcp.api.CheckpointException as e:  # a BaseException: turn it into an ordinary, one-line error
-        bad = sorted(e.failures)
-        first = e.failures[bad[0]] if bad else e
-        cause = first[0] if isinstance(first, tuple) else first
-        error = SaveError(f"{type(cause).__name__}: {str(cause).splitlines()[0] if str(cause) else ''}")
-        error.ranks = bad
-        raise error from None
-
-
-def sharded_files(path):
-    """{file name: bytes it holds at least} for every file the DCP checkpoint at `path` needs: its .metadata
-    and each shard file the metadata lists (OSError when the metadata cannot be read)."""
-    need = {".metadata": 1}
-    for info in dcp.FileSystemReader(path).read_metadata().storage_data.values():
-        need[info.relative_path] = max(need.get(info.relative_path, 0), info.offset + info.length)
-    return need
-
-
-def load_sharded(model, optimizer, path):
-    """Inverse of save_sharded; works for a different world size too (DCP reshards).
-
-    Every trainable parameter must be in the checkpoint (DCP raises on a missing key); frozen ones are
-    not loaded, so the model's own state dict is checked strictly only when nothing is frozen."""
-    model_sd, optim_sd = get_state_dict(model, optimizer, options=StateDictOptions(ignore_frozen_params=True))
-    state = {"model": model_sd, "optim": optim_sd}
-    dcp.load(state, checkpoint_id=path)
-    strict = all(p.requires_grad for p in model.parameters())
-    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
-                   options=StateDictOptions(strict=strict, ignore_frozen_params=True))
+def announce(obj, src):
+    """Rank `src`'s picklable `obj`, on every rank of both roles (a barrier of the whole job, too)."""
+    box = [obj]
+    tdist.broadcast_object_list(box, src=src, group=_groups["channel"])
+    return box[0]

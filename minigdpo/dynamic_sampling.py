@@ -37,7 +37,7 @@ def sample(step, cursor, order, task, tokenizer, sampler, scorer, cfg, sizes, na
         found += [(n, g) for g in range(B) if keep[g]]
         if len(found) >= B:
             break
-    chosen = found[:B] if len(found) >= B else found[:len(found) // world * world]
+    chosen = found[:B] if len(found) >= B else found[:len(found) // sizes.groups_unit * sizes.groups_unit]
     S = len(chosen)
     # Each rank's share of the chosen groups, sent by the ranks that sampled them.
     local = {(n, rank * per_rank + i): (r.prompts[i], r.completions[i]) for n, r in enumerate(rounds)

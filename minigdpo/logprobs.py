@@ -22,7 +22,7 @@ naive_logprobs itself, its own forward with its own head, and the run says so on
 (`check_fast_pass`): on its first micro-batch, the fast pass against the model's own forward, and a difference
 beyond rounding sends it to its own forward for good: a model nobody tested is safe by construction.
 
-`LogProbModel` wraps the Hugging Face model and is the FSDP2 root (dist.shard), so the embedding
+`LogProbModel` wraps the Hugging Face model and is the FSDP2 root (fsdp.shard), so the embedding
 and the head are gathered by the root's own hooks; `whole_weights` streams its weights out, whole, under
 their Hugging Face names (for the sampler and the exports).
 """
@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 from transformers import AttentionInterface
 
-from minigdpo import dist, microbatch
+from minigdpo import dist, fsdp, microbatch
 from minigdpo.models import layer_windows
 from minigdpo.sampler import Completion, tied_names
 
@@ -234,7 +234,7 @@ AttentionInterface.register(PACKED, packed_attention)
 
 def layer_packed(layer, hidden, packed, position_embeddings):
     """One decoder layer over a packed row (1, L, H), its attention through packed_attention. A forward method
-    of its own (dist.shard registers it): FSDP2 gathers the layer once per call, and checkpointing can run it
+    of its own (fsdp.shard registers it): FSDP2 gathers the layer once per call, and checkpointing can run it
     again. layer.forward, not layer(): the module call would run FSDP2's hooks (and transformers' checkpointing)
     again inside this one."""
     config = layer.self_attn.config
@@ -291,7 +291,7 @@ class LogProbModel(nn.Module):
 
     def compile_layers(self):
         """torch.compile each decoder layer's own forward, with dynamic shapes: the layer's math alone. FSDP2's
-        collectives run in the hooks around it (layer_packed, which dist.shard registers, calls layer.forward),
+        collectives run in the hooks around it (layer_packed, which fsdp.shard registers, calls layer.forward),
         checkpointing wraps it, the attention kernel is chosen outside it, the head and the loss stay eager. A layer
         compiles once per kind of call (packed or its own forward; with or without gradient; its window)."""
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)  # the kinds above
@@ -334,7 +334,7 @@ class LogProbModel(nn.Module):
             return
         for name, t in self.lm.state_dict(keep_vars=True).items():
             if name not in tied:  # cast first: fewer bytes to gather
-                yield name, dist.full_tensor(t.detach().to(dtype) if dtype is not None else t.detach(), main_only)
+                yield name, fsdp.full_tensor(t.detach().to(dtype) if dtype is not None else t.detach(), main_only)
 
     def tied_names(self):
         """Names that share storage with an earlier name, e.g. lm_head.weight -> model.embed_tokens.weight."""
@@ -378,7 +378,7 @@ def check_fast_pass(model, mb, temperature, bound):
         own = model(mb, temperature)                                        # (N, T)
     finally:
         model.train(training)
-    dist.reshard(model)  # no backward follows: free what the root keeps gathered for one
+    fsdp.reshard(model)  # no backward follows: free what the root keeps gathered for one
     diff = (fast - own).abs() * mb.mask                                     # (N, T)
     sums = dist.all_reduce(torch.stack([diff.sum(), mb.mask.sum()]).double())
     found = {"max": dist.all_reduce(diff.max().double(), op="max").item(), "mean": (sums[0] / sums[1]).item()}

@@ -1,7 +1,7 @@
 """The trained policy and its frozen reference, built sharded.
 
 `build` builds the model on the meta device, wraps it for log-probs (minigdpo/logprobs.py), shards it
-with FSDP2 over all ranks (dist.shard), then has each rank read only its own shards from the
+with FSDP2 over all ranks (fsdp.shard), then has each rank read only its own shards from the
 checkpoint's safetensors files, so the trainer's copy is never whole on a rank. Two exceptions: a checkpoint whose
 tensors do not match the model by name and shape is loaded whole first (transformers converts it), and every rank's
 sampler holds a whole copy of its own (minigdpo/sampler.py, minigdpo/vllm_sampler.py).
@@ -9,7 +9,7 @@ sampler holds a whole copy of its own (minigdpo/sampler.py, minigdpo/vllm_sample
 
 import torch
 
-from minigdpo import dist, lora
+from minigdpo import fsdp, lora
 from minigdpo.logprobs import LogProbModel, decoder_layers
 from minigdpo.models import empty_model, load_model, safetensors_files
 
@@ -78,7 +78,7 @@ def build(path, device, compute_dtype, grad_checkpointing=False, frozen=False, o
     else:
         model.train()
     param_dtype = compute_dtype if compute_dtype != torch.float32 and not frozen else None
-    model = dist.shard(model, decoder_layers(lm), param_dtype=param_dtype, offload=offload,
+    model = fsdp.shard(model, decoder_layers(lm), param_dtype=param_dtype, offload=offload,
                        forward_methods=("layer_packed",))
     if read is not None:
         fill(lm, torch.device("cpu") if offload else device, read)
@@ -86,8 +86,8 @@ def build(path, device, compute_dtype, grad_checkpointing=False, frozen=False, o
 
 
 def fill(lm, device, read):
-    """Allocate a sharded meta-device model and read this rank's shards into it (dist.materialize)."""
-    dist.materialize(lm, device, read)
+    """Allocate a sharded meta-device model and read this rank's shards into it (fsdp.materialize)."""
+    fsdp.materialize(lm, device, read)
     with torch.no_grad():  # buffers that no checkpoint stores (rotary tables, Gemma's embedding scale): transformers
         for m in lm.modules():  # computes them, and may draw the module's weights anew on the way: they are put back
             if m._non_persistent_buffers_set:
@@ -109,5 +109,5 @@ def build_classifier(path, config, device, dtype):
         raise ValueError(f"reward model {path}: its tensors do not match its config by name and shape, so it "
                          "cannot be sharded; use --reward-model-placement resident or offload")
     model.requires_grad_(False).eval()
-    fill(dist.shard(model, decoder_layers(model)), device, read)
+    fill(fsdp.shard(model, decoder_layers(model)), device, read)
     return model

@@ -41,7 +41,7 @@ import re
 import torch
 import torch.nn as nn
 
-from minigdpo import dist
+from minigdpo import dist, fsdp
 
 AGGREGATIONS = ("micro_batch_token_mean", "token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm")
 TRL_NAMES = {"bnpo": "micro_batch_token_mean", "dapo": "token_mean", "grpo": "seq_mean_token_mean",
@@ -130,7 +130,7 @@ def fill_logprobs(model, batches, key, cfg, reshard=False):
     for mb in batches:
         setattr(mb, key, model(mb, cfg.temperature, cfg.logprob_chunk))  # (N, T) log-probs
     if reshard:
-        dist.reshard(model)
+        fsdp.reshard(model)
 
 
 # The update --------------------------------------------------------------------------------------
@@ -165,7 +165,7 @@ def update(model, opt, sched, batches, cfg):
         for i, mb in enumerate(batches):
             trim_host_heap()
             last = i == len(batches) - 1  # --reduce-grads step: across ranks at the last; micro_batch: at each
-            dist.reduce_gradients(model, reduce_scatter=last or cfg.reduce_grads == "micro_batch", all_reduce=last)
+            fsdp.reduce_gradients(model, reduce_scatter=last or cfg.reduce_grads == "micro_batch", all_reduce=last)
             logp, entropy = model(mb, cfg.temperature, cfg.logprob_chunk, entropy=True)  # (N, T) each
             old = logp.detach() if mb.old_logp is None else mb.old_logp  # 1 iteration: the sampling policy is this one
             loss, stats = policy_loss(logp, old, mb.ref_logp, mb.adv, mb.mask, clip_low=cfg.clip_low,
@@ -249,7 +249,7 @@ def clip_grad(model, max_norm):
     """Clip the global gradient norm across all shards; returns the norm before clipping."""
     params = [p for p in model.parameters() if p.grad is not None]
     norm = torch.nn.utils.clip_grad_norm_(params, max_norm if max_norm > 0 else math.inf)
-    return dist.full_tensor(norm).float()
+    return fsdp.full_tensor(norm).float()
 
 
 def step_metrics(totals):

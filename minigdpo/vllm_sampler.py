@@ -313,6 +313,8 @@ def check_sampler(cfg, kind):
 
     if kind != "vllm":
         return
+    if cfg.sampler_ranks:  # not built: vLLM's engine would make its groups over the trainers too (docs/async.md)
+        raise ConfigError("--sampler-ranks needs --sampler hf: the sampling ranks' vLLM engine is not built yet")
     if cfg.top_p != 1:  # vLLM's processed log-probs are renormalised over the nucleus; the trainer's are not
         raise ConfigError(f"--top-p {cfg.top_p} needs --sampler hf (vLLM's log-probs are renormalised after top-p)")
     if not 0.01 <= cfg.temperature <= 2:  # vLLM raises lower ones to 0.01 (sampling_params.py:560-568, 662-673)

@@ -147,7 +147,7 @@ class RewardModel:
         """Load the weights where --reward-model-placement says (the module docstring), once. Without a device
         (eval.py's scorer, on first use): this rank's accelerator if there is one, in bf16, else the CPU in fp32.
         shard_build(path, config, device, dtype) builds the sharded model (train.py passes policy.build_classifier)."""
-        from minigdpo import dist
+        from minigdpo import fsdp
 
         if self.model is not None:
             return
@@ -215,9 +215,9 @@ class RewardModel:
             mask = torch.tensor([[1] * len(x) + [0] * (width - len(x)) for x in batch], device=self.device)
             out.append(self.model(input_ids=ids, attention_mask=mask).logits.double().cpu())  # (b, labels)
         if self.placement == "shard":
-            from minigdpo import dist
+            from minigdpo import fsdp
 
-            dist.reshard(self.model)  # no backward follows: free the root's gathered weights now
+            fsdp.reshard(self.model)  # no backward follows: free the root's gathered weights now
         return torch.cat(out) if out else torch.zeros(0, self.config.num_labels, dtype=torch.float64)
 
     def score_batch(self, completions, examples, conversations=None):
@@ -234,7 +234,7 @@ class RewardModel:
         except Exception as e:
             failure = f"{type(e).__name__}: {e}"
         if self.placement == "shard":  # agreed before any rank enters FSDP's all-gathers, or the others would wait
-            from minigdpo import dist
+            from minigdpo import fsdp
 
             failure = next((f"rank {r}: {f}" for r, f in enumerate(dist.all_gather_object(failure)) if f), None)
         if failure:

@@ -22,7 +22,7 @@ from torch.distributed.fsdp import FSDPModule
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from minigdpo import dist, models, policy  # noqa: E402
+from minigdpo import dist, fsdp, models, policy  # noqa: E402
 from minigdpo.config import Config  # noqa: E402
 from minigdpo.sampler import Completion  # noqa: E402
 from minigdpo.microbatch import micro_batches  # noqa: E402
@@ -86,18 +86,18 @@ def main(out, sharding):
         cfg = Config(beta=0.0, max_new_tokens=5, reduce_grads=mode, logprob_chunk=64)
         batches = micro_batches(prompts, comps, adv, 2, 257, device, 4)  # 4 micro-batches
         modules = sum(isinstance(m, FSDPModule) for m in model.modules())  # the decoder layers and the root
-        peak, reduce = [0], dist.reduce_gradients
+        peak, reduce = [0], fsdp.reduce_gradients
 
         def sampled(*args, **kwargs):  # before each micro-batch: what the previous backwards left
             peak[0] = max(peak[0], grad_bytes(model))
             return reduce(*args, **kwargs)
 
-        dist.reduce_gradients = sampled
+        fsdp.reduce_gradients = sampled
         norm = normaliser(batches, cfg)  # its all-reduce of the counts is the update's own, not FSDP2's: not counted
         update_module.normaliser = lambda *a: norm
         with Reductions() as counted:
             update(model, opt, sched, batches, cfg)
-        dist.reduce_gradients, update_module.normaliser = reduce, normaliser
+        fsdp.reduce_gradients, update_module.normaliser = reduce, normaliser
         result[mode] = {k: v / modules for k, v in counted.counts.items()} | {"micro_batches": len(batches),
                                                                               "peak_grad_bytes": peak[0]}
         params[mode] = {n: t.clone() for n, t in model.whole_weights()}

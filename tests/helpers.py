@@ -59,3 +59,17 @@ def constant_first_step(completion, example):
     learn), then a value that differs between completions: the step after a skipped update has a signal again."""
     _SCORED[0] += 1
     return 1.0 if _SCORED[0] <= 8 else sum(map(ord, completion)) % 97 / 97
+
+
+_calls = {"scored": 0}
+
+
+def dies_on_rank2(completion, example):
+    """digit_frac, until world rank 2 has scored 16 completions: then that process exits at once, as a crashed rank
+    would (tests/test_split.py: a sampling rank that dies)."""
+    import os
+
+    _calls["scored"] += 1
+    if os.environ.get("RANK") == "2" and _calls["scored"] > 16:
+        os._exit(1)
+    return digit_frac(completion, example)

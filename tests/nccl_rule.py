@@ -20,7 +20,7 @@ import torch.distributed
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from minigdpo import dist  # noqa: E402
+from minigdpo import dist, fsdp  # noqa: E402
 
 # The tensor-taking wrappers, with a call each. Object collectives (all_gather_object, broadcast_object)
 # are left to torch, which picks the group's own device for them.
@@ -39,9 +39,9 @@ def _full_tensor():
     from torch.distributed.tensor import DTensor, Shard
     mesh = init_device_mesh("meta", (dist.world_size(),))
     t = DTensor.from_local(torch.ones(3, 4, device="meta"), mesh, [Shard(0)])
-    whole = dist.full_tensor(t)
+    whole = fsdp.full_tensor(t)
     assert whole.device.type == "meta" and whole.shape == (3 * dist.world_size(), 4), whole
-    return dist.full_tensor(t, main_only=True)  # rank 0 gathers; the others get None
+    return fsdp.full_tensor(t, main_only=True)  # rank 0 gathers; the others get None
 
 
 def wrappers_calling_collectives():

@@ -73,11 +73,12 @@ def project_files():
     return files
 
 
-def test_only_dist_py_touches_torch_distributed():
-    """dist.py is the one door to collectives, so its placement rule covers the whole trainer."""
+def test_only_dist_py_and_fsdp_py_touch_torch_distributed():
+    """dist.py is the one door to collectives (fsdp.py to FSDP2's, over dist.py's mesh), so its placement rule covers
+    the whole trainer."""
     offenders = []
     for path in project_files():
-        if path.endswith(os.path.join("minigdpo", "dist.py")):
+        if path.endswith((os.path.join("minigdpo", "dist.py"), os.path.join("minigdpo", "fsdp.py"))):
             continue
         for node in ast.walk(ast.parse(open(path).read())):
             names = []

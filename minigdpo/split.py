@@ -1,0 +1,191 @@
+"""The split placement (--sampler-ranks N): the last N ranks of the torchrun job only sample, each with a whole copy of
+the weights; the others only train, FSDP2 over themselves (minigdpo/dist.py gives each role its own group).
+
+The sampling ranks run train.py's steps 1-3 for every step, in order, each its share of the step's prompts (their
+collectives among themselves), and send each trainer its share of the step's groups with every rank's rewards (GDPO's
+batch step needs them all). The trainers run steps 4-8 as in any run. After each update the first trainer broadcasts
+the new weights to the sampling ranks (NCCL on GPUs, gloo on CPUs), one whole tensor at a time, and goes on at once:
+it keeps each tensor until the samplers have it, at most K + 1 updates' worth (a skipped update sends a flag alone).
+
+Keyed by step, as in minigdpo/pipeline.py: step s is sampled by the weights of update max(first, s - 1 - K). With
+K = 0 the samplers wait for update s - 1, and the run is the synchronous one with its sampling on other ranks; with
+K >= 1 they sample up to K steps ahead. Every update reaches every sampling rank, in order, and each is loaded before
+the step that needs it is sampled.
+
+A checkpoint at step t holds the batches sampled for steps t+1..t+K, each trainer its share, received when it is
+written; resumed, the trainers tell the samplers where to start (the step, and the cursor past those batches) and
+send them the checkpoint's weights. A sampling rank that stops stops the trainers at their next receive, and the
+other way round: the line names the side that went.
+"""
+
+import time
+from collections import deque
+
+import torch
+
+from minigdpo import dist
+
+
+class SamplerLost(RuntimeError):
+    """The other role's ranks stopped (a sampling rank died, or the trainers did)."""
+
+
+def pipeline(K, first, cursor, pending, last, sample, sampler, weights):
+    """(this role's pipeline, the step the run starts from, the cursor there). The trainers tell the sampling ranks
+    where that is (a resumed run's step, past the batches its checkpoint holds) and send them its weights."""
+    if dist.role() == "trainer":
+        pipe = Trainers(K, first, last, weights, pending)
+        _talk(dist.announce, {"first": first, "cursor": cursor, "sampled": len(pending)}, 0)
+    else:
+        pipe = Samplers(K, last, sample, sampler.load_weights)
+        start = _talk(dist.announce, None, 0)
+        first, cursor, pipe.first, pipe.unsampled = start["first"], start["cursor"], start["first"], \
+            start["first"] + 1 + start["sampled"]
+    pipe.begin()
+    return pipe, first, cursor
+
+
+class Remote:
+    """What the trainers hold in the place of a sampler (train.py): the sampling ranks have the sampler, and get the
+    trainers' weights from Trainers.begin and Trainers.publish; nothing here sleeps or loads."""
+
+    def __init__(self, adapters_only):
+        self.adapters_only = adapters_only
+
+    def load_weights(self, weights):  # a resumed run's weights go out when the pipeline starts (Trainers.begin)
+        pass
+
+    def sleep(self):
+        pass
+
+    def close(self):
+        pass
+
+
+def _talk(what, *args):
+    """dist's channel call, its failure (the other side went) one line."""
+    try:
+        return what(*args)
+    except RuntimeError as e:
+        side = "a sampling rank" if dist.role() == "trainer" else "the trainers"
+        raise SamplerLost(f"{side} stopped ({str(e).splitlines()[0][:200]}): this rank stops too") from None
+
+
+class Trainers:
+    """train.py's pipeline on a training rank, pipeline.Pipeline's interface: its batches come from the sampling
+    ranks, its weights go to them. weights(): the model's (name, whole tensor) pairs (every trainer iterates them)."""
+
+    def __init__(self, K, first, last, weights, pending=()):
+        self.K, self.first, self.last, self.weights = K, first, last, weights
+        self.ready = {first + 1 + i: entry for i, entry in enumerate(pending)}  # step -> (batch, cursor, version)
+        self.sending = deque()  # [works] of the updates the samplers may not have yet
+
+    def begin(self):
+        """The weights the run starts from, to the sampling ranks: first what they are (names, shapes, dtypes)."""
+        tensors = self._copies(self.weights())
+        _talk(dist.announce, tensors and [(name, t.shape, t.dtype) for name, t in tensors], 0)
+        self._send(tensors)
+
+    def run(self, train):
+        """Train every step, then meet the sampling ranks at the end (they hold the last weights)."""
+        train()
+        for works in self.sending:
+            _talk(lambda: [w.wait() for w in works])
+        _talk(dist.announce, None, 0)
+
+    def batch(self, step):
+        t0 = time.perf_counter()
+        batch, cursor, version, waited = self.ready.pop(step) + (0.0,) if step in self.ready else self._receive(step)
+        return batch, cursor, step - 1 - version, time.perf_counter() - t0, waited
+
+    def publish(self, step, weights):
+        """The update's weights (None: skipped) to the sampling ranks, without waiting for them."""
+        tensors = self._copies(weights()) if weights is not None else None
+        flag = torch.tensor([int(weights is not None)], device=dist.device())
+        self._send([("", flag)] + (tensors or []) if dist.rank() == 0 else None)
+
+    def step_done(self, step):
+        pass
+
+    def pending(self, step):
+        """The batches for steps step+1..step+K, received now (a checkpoint saves them)."""
+        for s in range(step + 1, min(step + self.K, self.last) + 1):
+            if s not in self.ready:
+                self.ready[s] = self._receive(s)[:3]
+        return [self.ready[s] for s in range(step + 1, min(step + self.K, self.last) + 1)]
+
+    def _copies(self, weights):
+        """The first trainer's copy of each whole tensor (the model moves on while it is sent); None elsewhere."""
+        copies = [(name, t.detach().clone()) for name, t in weights]
+        return copies if dist.rank() == 0 else None
+
+    def _send(self, tensors):
+        if tensors is not None:
+            self.sending.append([dist.bridge(t, wait=False) for _, t in tensors])
+        while len(self.sending) > self.K + 1:
+            works = self.sending.popleft()
+            _talk(lambda: [w.wait() for w in works])
+
+    def _receive(self, step):
+        """Step `step`'s batch: this trainer's groups from every sampling rank, in order, the rest from the first."""
+        parts = [_talk(dist.recv_object, source) for source in dist.other_ranks()]
+        batch, cursor, version, waited = parts[0]["batch"]
+        batch.prompts = [p for part in parts for p in part["prompts"]]
+        batch.completions = [c for part in parts for c in part["completions"]]
+        return batch, cursor, version, waited
+
+
+class Samplers:
+    """train.py's pipeline on a sampling rank: run() samples every step (sample(step, version) -> (batch, cursor)) and
+    sends it to the trainers, loading each update's weights (load) before the step that needs it."""
+
+    def __init__(self, K, last, sample, load):
+        self.K, self.last, self.sample, self.load = K, last, sample, load
+        self.sent = []  # waits of the batches in flight
+
+    def begin(self):
+        """The weights the run starts from."""
+        self.manifest, self.loaded = _talk(dist.announce, None, 0), self.first - 1
+        self._bring(self.first)
+
+    def run(self, train=None):
+        """Every step, sampled in order, sent to the trainers; returns holding the last update's weights."""
+        for step in range(self.unsampled, self.last + 1):
+            t0 = time.perf_counter()
+            version = max(self.first, step - 1 - self.K)
+            self._bring(version)
+            waited = time.perf_counter() - t0
+            batch, cursor = self.sample(step, version)
+            self._send(batch, (cursor, version, waited))
+        self._bring(self.last)
+        for wait in self.sent:
+            _talk(wait)
+        _talk(dist.announce, None, 0)
+
+    def _bring(self, version):
+        """Receive every update up to `version`, in order, loading each that changed the weights."""
+        while self.loaded < version:
+            self.loaded += 1
+            if self.loaded == self.first or self._receive(torch.zeros(1, dtype=torch.long)).item():  # not skipped
+                self.load((name, self._receive(torch.empty(shape, dtype=dtype))) for name, shape, dtype in
+                          self.manifest)
+
+    def _receive(self, tensor):
+        tensor = tensor.to(dist.device())
+        _talk(dist.bridge, tensor)
+        return tensor
+
+    def _send(self, batch, rest):
+        """Each trainer's share of the step's groups (S of them, rank j of N holding j * S // N on), with the rest of
+        the batch from the first sampling rank."""
+        S, N, T, j = len(batch.rewards), dist.world_size(), len(dist.other_ranks()), dist.rank()
+        mine = j * S // N
+        prompts, completions = batch.prompts, batch.completions
+        batch.prompts, batch.completions = [], []
+        for i, trainer in enumerate(dist.other_ranks()):
+            lo, hi = max(i * S // T, mine) - mine, min((i + 1) * S // T, mine + len(prompts)) - mine
+            part = {"prompts": prompts[lo:hi] if hi > lo else [], "completions": completions[lo:hi] if hi > lo else [],
+                    "batch": (batch, *rest) if j == 0 else None}
+            self.sent.append(dist.send_object(part, trainer))
+        while len(self.sent) > (self.K + 2) * T:  # the oldest batches are in the trainers' hands by now
+            _talk(self.sent.pop(0))
