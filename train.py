@@ -72,8 +72,7 @@ def run_training(argv=None):
         raise config.ConfigError(str(e)) from None
     role, others = dist.role(), len(dist.other_ranks()) if cfg.sampler_ranks else 0  # minigdpo/split.py
     sizes = config.resolve(cfg, dist.world_size(), len(task.examples), getattr(dist.mesh(), "shape", ()), others)
-    # The sampling thread's group, colocated (a split run's sampling ranks have theirs); every rank makes it, here.
-    sampling_group = dist.sampling_group() if cfg.async_steps and not cfg.sampler_ranks else None
+    sampling_group = dist.sampling_group() if cfg.async_steps and not cfg.sampler_ranks else None  # every rank, here
     checkpoint.check_shared(cfg.output_dir)  # multi-node: one filesystem for every rank, checked before any load
     run = config.describe(cfg, sizes) | {"rewards": names}
     dist.print0(f"minigdpo: {cfg.estimator} on {cfg.task} ({len(task.examples)} prompts"

@@ -27,7 +27,7 @@ import tempfile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-from minigdpo.plot import read_run  # noqa: E402
+from plot import read_run  # noqa: E402
 from minigdpo import models  # noqa: E402
 from gpu_proxies import add_shape_args, shape  # noqa: E402  (this folder is on the path when run as a script)
 

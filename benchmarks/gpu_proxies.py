@@ -35,7 +35,7 @@ sys.path.insert(0, ROOT)
 from minigdpo import checkpoint, dist, fsdp, logprobs, models, policy  # noqa: E402
 from minigdpo.config import Config  # noqa: E402
 from minigdpo.sampler import Completion, HFSampler, SamplingParams, sync_every  # noqa: E402
-from minigdpo.microbatch import micro_batches  # noqa: E402
+from tests.microbatches import micro_batches  # noqa: E402
 from minigdpo.update import fill_logprobs, optimizer, scheduler, update  # noqa: E402
 
 MB = 1024**2

@@ -32,7 +32,7 @@ def child(args):
     import io
 
     import train
-    from minigdpo.plot import read_run
+    from plot import read_run
 
     out = tempfile.mkdtemp(prefix="bench-lora-")
     argv = ["--preset", "cpu-demo", "--beta", "0.04", "--max-steps", str(args.steps), "--final-eval", "0",

@@ -20,7 +20,7 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-from minigdpo.plot import read_run  # noqa: E402
+from plot import read_run  # noqa: E402
 
 PHASES = ("generate", "reward", "logprob", "update", "sync", "step")
 

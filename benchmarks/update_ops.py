@@ -19,7 +19,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 sys.path.insert(0, os.environ.get("MINIGDPO_ROOT", os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 from minigdpo import logprobs  # noqa: E402
-from minigdpo.microbatch import micro_batches  # noqa: E402
+try:
+    from tests.microbatches import micro_batches  # noqa: E402
+except ImportError:  # a checkout from before micro_batches moved from minigdpo/microbatch.py to tests/
+    from minigdpo.microbatch import micro_batches  # noqa: E402
 from minigdpo.sampler import Completion  # noqa: E402
 
 

@@ -69,7 +69,7 @@ def prompts_file(n, out):
 
 def run_minigdpo(args, model, data):
     import train
-    from minigdpo.plot import read_run
+    from plot import read_run
 
     out = tempfile.mkdtemp(prefix="bench-minigdpo-")
     train.main(["--model", model, "--task", "gsm8k", "--data", data, "--rewards", "correct,integer,format",

@@ -221,11 +221,3 @@ def by_tokens(groups, budget, shared=True):
     received = {g: entry for part in dist.exchange_objects(outgoing) for g, entry in part.items()}
     mine = [[received[g] for g in bins[b]] for b in sorted(owner) if owner[b] == rank]
     return mine + [[] for _ in range(per_rank - len(mine))]  # build() makes an empty micro-batch of []
-
-
-def micro_batches(prompts, completions, advantages, size, pad_id, device, group, layout="padded"):
-    """Flat sequences (prompt-major, `group` per prompt: prompts[i] is completion i's prompt) in built micro-batches
-    of `size`, as train.py cuts a rank's groups by count (tests and benchmarks start from sequences)."""
-    groups = [(prompts[g * group], completions[g * group:(g + 1) * group], advantages[g * group:(g + 1) * group])
-              for g in range(len(prompts) // group)]
-    return [build(part, pad_id, device, layout) for part in by_count(groups, size)]

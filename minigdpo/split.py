@@ -1,21 +1,15 @@
 """The split placement (--sampler-ranks N): the last N ranks of the torchrun job only sample, each with a whole copy of
 the weights; the others only train, FSDP2 over themselves (minigdpo/dist.py gives each role its own group).
 
-The sampling ranks run train.py's steps 1-3 for every step, in order, each its share of the step's prompts (their
-collectives among themselves), and send each trainer its share of the step's groups with every rank's rewards (GDPO's
-batch step needs them all). The trainers run steps 4-8 as in any run. After each update the first trainer broadcasts
-the new weights to the sampling ranks (NCCL on GPUs, gloo on CPUs), one whole tensor at a time, and goes on at once:
-it keeps each tensor until the samplers have it, at most K + 1 updates' worth (a skipped update sends a flag alone).
+The sampling ranks run train.py's steps 1-3, each its share of every step's prompts, and send each trainer its share
+of the step's groups, with every rank's rewards (GDPO's batch step needs them all). The trainers run steps 4-8. After
+each update the first trainer broadcasts the weights to the sampling ranks (NCCL on GPUs, gloo on CPUs) one whole
+tensor at a time, and goes on at once, keeping each tensor until it is sent: at most K + 1 updates' worth.
 
-Keyed by step, as in minigdpo/pipeline.py: step s is sampled by the weights of update max(first, s - 1 - K). With
-K = 0 the samplers wait for update s - 1, and the run is the synchronous one with its sampling on other ranks; with
-K >= 1 they sample up to K steps ahead. Every update reaches every sampling rank, in order, and each is loaded before
-the step that needs it is sampled.
-
-A checkpoint at step t holds the batches sampled for steps t+1..t+K, each trainer its share, received when it is
-written; resumed, the trainers tell the samplers where to start (the step, and the cursor past those batches) and
-send them the checkpoint's weights. A sampling rank that stops stops the trainers at their next receive, and the
-other way round: the line names the side that went.
+Keyed by step, as in minigdpo/pipeline.py: step s is sampled by the weights of update max(first, s - 1 - K), so with
+K = 0 the run is the synchronous one, sampled on other ranks. A checkpoint at step t holds the batches sampled for
+steps t+1..t+K (each trainer its share); resumed, the trainers tell the sampling ranks where to start and send them
+the checkpoint's weights. A rank of either side that stops stops the other side at its next exchange, in one line.
 """
 
 import time
@@ -27,39 +21,32 @@ from minigdpo import dist
 
 
 class SamplerLost(RuntimeError):
-    """The other role's ranks stopped (a sampling rank died, or the trainers did)."""
+    """The other side stopped: a sampling rank (seen from a trainer) or a trainer (seen from a sampling rank)."""
 
 
 def pipeline(K, first, cursor, pending, last, sample, sampler, weights):
     """(this role's pipeline, the step the run starts from, the cursor there). The trainers tell the sampling ranks
     where that is (a resumed run's step, past the batches its checkpoint holds) and send them its weights."""
+    first, cursor, sampled = _talk(dist.announce, (first, cursor, len(pending)), 0)  # the first trainer's
     if dist.role() == "trainer":
         pipe = Trainers(K, first, last, weights, pending)
-        _talk(dist.announce, {"first": first, "cursor": cursor, "sampled": len(pending)}, 0)
     else:
-        pipe = Samplers(K, last, sample, sampler.load_weights)
-        start = _talk(dist.announce, None, 0)
-        first, cursor, pipe.first, pipe.unsampled = start["first"], start["cursor"], start["first"], \
-            start["first"] + 1 + start["sampled"]
+        pipe = Samplers(K, first, first + 1 + sampled, last, sample, sampler.load_weights)
     pipe.begin()
     return pipe, first, cursor
 
 
 class Remote:
-    """What the trainers hold in the place of a sampler (train.py): the sampling ranks have the sampler, and get the
-    trainers' weights from Trainers.begin and Trainers.publish; nothing here sleeps or loads."""
+    """What the trainers hold in the place of a sampler (train.py): their weights go to the sampling ranks from
+    Trainers.begin and Trainers.publish, so nothing here loads, sleeps or closes."""
 
     def __init__(self, adapters_only):
         self.adapters_only = adapters_only
 
-    def load_weights(self, weights):  # a resumed run's weights go out when the pipeline starts (Trainers.begin)
+    def load_weights(self, weights=None):
         pass
 
-    def sleep(self):
-        pass
-
-    def close(self):
-        pass
+    sleep = close = load_weights
 
 
 def _talk(what, *args):
@@ -87,10 +74,9 @@ class Trainers:
         self._send(tensors)
 
     def run(self, train):
-        """Train every step, then meet the sampling ranks at the end (they hold the last weights)."""
+        """Train every step, then meet the sampling ranks, which come once they hold the last weights: every
+        broadcast is done by then."""
         train()
-        for works in self.sending:
-            _talk(lambda: [w.wait() for w in works])
         _talk(dist.announce, None, 0)
 
     def batch(self, step):
@@ -104,15 +90,14 @@ class Trainers:
         flag = torch.tensor([int(weights is not None)], device=dist.device())
         self._send([("", flag)] + (tensors or []) if dist.rank() == 0 else None)
 
-    def step_done(self, step):
+    def step_done(self, step):  # the sampling ranks wait for weights, not for the trainers' steps
         pass
 
     def pending(self, step):
         """The batches for steps step+1..step+K, received now (a checkpoint saves them)."""
-        for s in range(step + 1, min(step + self.K, self.last) + 1):
-            if s not in self.ready:
-                self.ready[s] = self._receive(s)[:3]
-        return [self.ready[s] for s in range(step + 1, min(step + self.K, self.last) + 1)]
+        after = range(step + 1, min(step + self.K, self.last) + 1)
+        self.ready |= {s: self._receive(s)[:3] for s in after if s not in self.ready}
+        return [self.ready[s] for s in after]
 
     def _copies(self, weights):
         """The first trainer's copy of each whole tensor (the model moves on while it is sent); None elsewhere."""
@@ -139,12 +124,12 @@ class Samplers:
     """train.py's pipeline on a sampling rank: run() samples every step (sample(step, version) -> (batch, cursor)) and
     sends it to the trainers, loading each update's weights (load) before the step that needs it."""
 
-    def __init__(self, K, last, sample, load):
-        self.K, self.last, self.sample, self.load = K, last, sample, load
+    def __init__(self, K, first, unsampled, last, sample, load):
+        self.K, self.first, self.unsampled, self.last, self.sample, self.load = K, first, unsampled, last, sample, load
         self.sent = []  # waits of the batches in flight
 
     def begin(self):
-        """The weights the run starts from."""
+        """The weights the run starts from, after what they are (names, shapes, dtypes)."""
         self.manifest, self.loaded = _talk(dist.announce, None, 0), self.first - 1
         self._bring(self.first)
 
@@ -158,9 +143,7 @@ class Samplers:
             batch, cursor = self.sample(step, version)
             self._send(batch, (cursor, version, waited))
         self._bring(self.last)
-        for wait in self.sent:
-            _talk(wait)
-        _talk(dist.announce, None, 0)
+        _talk(dist.announce, None, 0)  # the trainers come once they have trained every batch: all were sent
 
     def _bring(self, version):
         """Receive every update up to `version`, in order, loading each that changed the weights."""
@@ -179,13 +162,13 @@ class Samplers:
         """Each trainer's share of the step's groups (S of them, rank j of N holding j * S // N on), with the rest of
         the batch from the first sampling rank."""
         S, N, T, j = len(batch.rewards), dist.world_size(), len(dist.other_ranks()), dist.rank()
-        mine = j * S // N
-        prompts, completions = batch.prompts, batch.completions
+        mine, prompts, completions = j * S // N, batch.prompts, batch.completions
         batch.prompts, batch.completions = [], []
         for i, trainer in enumerate(dist.other_ranks()):
-            lo, hi = max(i * S // T, mine) - mine, min((i + 1) * S // T, mine + len(prompts)) - mine
-            part = {"prompts": prompts[lo:hi] if hi > lo else [], "completions": completions[lo:hi] if hi > lo else [],
-                    "batch": (batch, *rest) if j == 0 else None}
+            lo = max(i * S // T, mine) - mine  # trainer i's groups among this rank's: lo..hi
+            hi = max(min((i + 1) * S // T, mine + len(prompts)) - mine, lo)
+            part = {"prompts": prompts[lo:hi], "completions": completions[lo:hi]}
+            part["batch"] = (batch, *rest) if j == 0 else None
             self.sent.append(dist.send_object(part, trainer))
         while len(self.sent) > (self.K + 2) * T:  # the oldest batches are in the trainers' hands by now
             _talk(self.sent.pop(0))

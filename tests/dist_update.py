@@ -16,7 +16,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from minigdpo import dist, lora, models, policy  # noqa: E402
 from minigdpo.config import Config  # noqa: E402
 from minigdpo.sampler import Completion  # noqa: E402
-from minigdpo.microbatch import micro_batches  # noqa: E402
+from microbatches import micro_batches  # noqa: E402
 from minigdpo.update import fill_logprobs, optimizer, scheduler, step_metrics, update  # noqa: E402
 
 

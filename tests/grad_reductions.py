@@ -25,7 +25,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from minigdpo import dist, fsdp, models, policy  # noqa: E402
 from minigdpo.config import Config  # noqa: E402
 from minigdpo.sampler import Completion  # noqa: E402
-from minigdpo.microbatch import micro_batches  # noqa: E402
+from microbatches import micro_batches  # noqa: E402
 from minigdpo import update as update_module  # noqa: E402
 from minigdpo.update import normaliser, optimizer, scheduler, update  # noqa: E402
 

@@ -75,7 +75,8 @@ def test_vs_trl_gives_minigdpo_trls_dtype(monkeypatch):
     import torch
 
     import train
-    from minigdpo import cli, models, plot
+    import plot
+    from minigdpo import cli, models
 
     spec = importlib.util.spec_from_file_location("vs_trl", os.path.join(ROOT, "benchmarks", "vs_trl.py"))
     vs_trl = importlib.util.module_from_spec(spec)

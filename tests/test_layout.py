@@ -166,8 +166,9 @@ def test_every_flag_the_docs_name_exists():
     from minigdpo import cli
 
     known = {o for a in cli.build_parser()._actions for o in a.option_strings}
-    scripts = ["eval.py"] + [os.path.relpath(p, ROOT) for d in ("benchmarks", "examples", "tests", "minigdpo")
-                             for p in glob.glob(os.path.join(ROOT, d, "*.py"))]
+    scripts = ["eval.py", "plot.py"] + [os.path.relpath(p, ROOT)
+                                        for d in ("benchmarks", "examples", "tests", "minigdpo")
+                                        for p in glob.glob(os.path.join(ROOT, d, "*.py"))]
     for script in scripts:
         known |= set(re.findall(r'add_argument\(\s*"(--[a-z0-9-]+)"', open(os.path.join(ROOT, script)).read()))
     sys.path.insert(0, os.path.join(ROOT, "benchmarks"))

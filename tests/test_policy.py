@@ -11,7 +11,7 @@ import torch
 
 from minigdpo import checkpoint, fsdp, logprobs, microbatch, models, policy
 from minigdpo.sampler import Completion, HFSampler, SamplingParams, sample_next
-from minigdpo.microbatch import micro_batches
+from microbatches import micro_batches
 from minigdpo.update import lr_lambda, optimizer, scheduler
 
 

@@ -157,7 +157,7 @@ def test_misbehaving_rewards_do_not_stop_training(tmp_path):
 
 
 def batch_of(completions, prompts=None):
-    from minigdpo.microbatch import micro_batches
+    from microbatches import micro_batches
 
     prompts = prompts or [[1, 2, 3]] * len(completions)
     return micro_batches(prompts, completions, torch.zeros(len(completions)), 4, 257, torch.device("cpu"), len(completions))

@@ -58,6 +58,24 @@ def test_k1_samples_a_step_ahead_and_resumes_exactly(tmp_path):
 
 
 @pytest.mark.slow
+def test_an_agent_with_dynamic_sampling_runs_split_at_k1_and_its_sampling_ranks_evaluate(tmp_path):
+    """The tool loop and dynamic sampling run on the sampling rank, which sends the trainers whole shares of the
+    groups it kept (a multiple of both roles' ranks), and evaluates the trained weights it holds at the end."""
+    import tiny_agent
+
+    out = str(tmp_path / "agent")
+    proc = run(["train.py", "--preset", "smoke", "--task", "calculator", "--tools", "rewards.calculator:calculate",
+                "--model", tiny_agent.cached(), "--max-new-tokens", "40", "--max-prompt-len", "128",
+                "--reward-weights", "1,1,0.5", "--max-steps", "3", "--async-steps", "1", *SPLIT, "--dynamic-sampling",
+                "--max-sample-rounds", "2", "--group-size", "4", "--batch-size", "16", "--final-eval", "4",
+                "--output-dir", out], nproc=3)
+    m, _ = rows(out)
+    assert [r["async/staleness_max"] for r in m] == [0, 1, 1]
+    assert all(r["tools/call_frequency"] > 0 and r["sampling/groups_trained"] % 2 == 0 for r in m)
+    assert "final evaluation" in proc.stdout and os.path.isdir(os.path.join(out, "final_eval"))
+
+
+@pytest.mark.slow
 def test_a_sampling_rank_that_dies_stops_the_trainers_saying_so(tmp_path):
     """World rank 2, the sampling rank, exits mid-run. The ranks run as bare processes (no torchrun, whose agent
     would stop the others itself): the trainers must find out at their next receive and stop, in one line each."""

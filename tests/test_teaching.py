@@ -11,7 +11,7 @@ import sys
 import pytest
 import torch
 
-from minigdpo import plot as run_plot
+import plot as run_plot
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples"))
 import collapse  # noqa: E402

@@ -25,7 +25,7 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 from minigdpo import models, policy  # noqa: E402
 from minigdpo.config import Config  # noqa: E402
 from minigdpo.sampler import SamplingParams, WeightSyncError  # noqa: E402
-from minigdpo.microbatch import micro_batches  # noqa: E402
+from microbatches import micro_batches  # noqa: E402
 from minigdpo.update import fill_logprobs, optimizer, scheduler, update  # noqa: E402
 from minigdpo.vllm_sampler import VLLMSampler  # noqa: E402
 

@@ -29,7 +29,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("WANDB_DISABLED", "true")
 
 import torch  # noqa: E402
-from minigdpo.microbatch import micro_batches  # noqa: E402
+from microbatches import micro_batches  # noqa: E402
 from minigdpo.update import fill_logprobs, step_metrics, update  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

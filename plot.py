@@ -1,6 +1,6 @@
 """Curves of one or more runs from their metrics.jsonl, overlaid (for example a GRPO and a GDPO run).
 
-    python -m minigdpo.plot runs/grpo runs/gdpo -o curves.png
+    python plot.py runs/grpo runs/gdpo -o curves.png
 
 One panel per reward mean, then the KL, the completion length, the number of distinct advantage
 values per group (the reward-collapse signal), the share of sampled groups the estimator cannot learn
