@@ -223,7 +223,7 @@ BAD_VALUES = {  # every config field, with a value it must refuse (the test belo
     "lr": float("nan"), "lr_schedule": "linear", "warmup_ratio": 1.0, "weight_decay": -0.1, "max_grad_norm": -1.0,
     "beta": float("inf"), "clip_low": 1.0, "clip_high": -0.1, "loss_agg": "sum", "epochs": 0.0, "max_steps": -1,
     "seed": -1, "max_prompt_len": 0, "max_new_tokens": 0, "temperature": 0.0, "top_p": 1.5, "ignore_eos": None, "sampler": "tgi",
-    "vllm_gpu_memory_utilization": 1.0, "importance_sampling_cap": 0.5, "logp_gap_warn": -1.0, "vllm_kv_cache_gib": -1.0, "length_limit": 0, "length_unit": "chars",
+    "vllm_gpu_memory_utilization": 1.0, "importance_sampling_cap": 0.5, "sampler_ranks": -1, "logp_gap_warn": -1.0, "vllm_kv_cache_gib": -1.0, "length_limit": 0, "length_unit": "chars",
     "answer_format": "latex", "arith_difficulty": 7, "reward_timeout": 0.0, "skip_bad_rows": None, "dtype": "fp8",
     "grad_checkpointing": None, "ref_offload": None, "logprob_chunk": 0, "output_dir": "", "save_every": -1,
     "keep_checkpoints": 0, "on_save_error": "ignore", "sharding": "zero3", "reduce_grads": "never", "final_eval": -1,
