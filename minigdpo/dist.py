@@ -13,9 +13,8 @@ collectives run in another thread. Collectives of one group must come in the sam
 threads cannot promise, so the sampling thread's go to a gloo group of their own (`sampling_group`): the wrappers
 send the calling thread's collectives to its group, on the host.
 
-With --sampler-ranks N (minigdpo/split.py) the last N ranks only sample and the others only train: rank(),
-world_size() and every collective here are then those of this rank's role, the trainers' FSDP2 mesh is theirs
-alone, and the two roles meet only on the split placement's own groups (send_object, recv_object, bridge, announce).
+With --sampler-ranks N (minigdpo/split.py) rank(), world_size() and the collectives are those of this rank's role,
+and the roles meet only on the split placement's own groups (send_object, recv_object, bridge, announce).
 """
 
 import datetime

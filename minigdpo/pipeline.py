@@ -1,27 +1,17 @@
-"""Asynchronous rollouts (--async-steps K): the next batches are sampled and scored while this one trains.
+"""Asynchronous rollouts (--async-steps K): the next batches are sampled and scored while this one trains
+(docs/async.md tells the whole of it).
 
-Two threads on every rank. The main thread samples (train.py's steps 1-3: generation, tools, rewards), so a reward's
-or a tool's time limit (SIGALRM, main thread only) and a tool holding a thread-bound object (a sqlite3 connection
-made at import) work as in a synchronous run. The trainer (steps 4-8, the loop in train.py) runs beside it in a
-thread of its own and takes the batches in order, each exactly once. With K = 0 one thread does both, in turn: two
-threads would each keep a pool of compute threads, whose idle spinning slows the other's work on a CPU.
+Two threads on every rank. The main thread samples (train.py's steps 1-3), so a reward's or a tool's time limit
+(SIGALRM, main thread only) and a tool's thread-bound objects work as in a synchronous run; the trainer (steps 4-8)
+runs in a thread of its own and takes the batches in order, each exactly once. With K = 0 one thread does both, in
+turn: two would each keep a pool of compute threads, whose idle spinning slows the other on a CPU.
 
-Keyed by step: step s is sampled by the weights of update max(first, s - 1 - K), the first being where the run
-started (0, or the resumed step), and by the step's own seed, never by thread timing. The sampler waits for those
-weights before it samples step s (time/wait_trainer): it runs at most K steps ahead, and a batch trained at step s
-was sampled by weights at most K updates old (async/staleness_*). The trainer waits for its batch
-(time/wait_sampler). K = 0 is the same code in turn: step s is sampled after update s - 1, when the trainer asks
-for it, as without this file.
-
-The weights: after update t the trainer publishes them, and the sampler may use them once the trainer's step t is
-over (its metrics and checkpoint, whose collectives must not interleave with the sampler's). With K = 0 the sampler
-is idle then and the weights load at once, as a synchronous run syncs them; with K >= 1 it may be sampling, so the
-trainer keeps a copy of them (a whole model in the compute dtype, where the weights live: at most K + 1 copies wait),
-which the sampler loads before the step that needs it. Nothing else of the sampler's changes between: a step's
-rollouts, over all their turns, see one set of weights.
-
-A checkpoint at step t holds what was sampled for steps t+1..t+K (each rank its own, `pending`): resumed, the run
-trains on those batches, sampled by the weights it had then, and samples step t+K+1 with the checkpoint's own.
+Keyed by step: step s is sampled by the weights of update max(first, s - 1 - K) (first: where the run started) and
+by the step's own seed, never by thread timing. The sampler waits for those weights (time/wait_trainer), the trainer
+for its batch (time/wait_sampler). After update t the trainer publishes the weights, which the sampler may use once
+the trainer's step t is over (its collectives must not interleave with the sampler's): with K = 0 they load at once;
+with K >= 1 as a copy (at most K + 1 wait), loaded before the step that needs it, so each step's rollouts see one
+set of weights. A checkpoint at step t holds each rank's batches sampled for steps t+1..t+K (`pending`).
 """
 
 import threading

@@ -1,15 +1,10 @@
 """The split placement (--sampler-ranks N): the last N ranks of the torchrun job only sample, each with a whole copy of
-the weights; the others only train, FSDP2 over themselves (minigdpo/dist.py gives each role its own group).
+the weights; the others only train, FSDP2 over themselves (docs/async.md tells the whole of it).
 
-The sampling ranks run train.py's steps 1-3, each its share of every step's prompts, and send each trainer its share
-of the step's groups, with every rank's rewards (GDPO's batch step needs them all). The trainers run steps 4-8. After
-each update the first trainer broadcasts the weights to the sampling ranks (NCCL on GPUs, gloo on CPUs) one whole
-tensor at a time, and goes on at once, keeping each tensor until it is sent: at most K + 1 updates' worth.
-
-Keyed by step, as in minigdpo/pipeline.py: step s is sampled by the weights of update max(first, s - 1 - K), so with
-K = 0 the run is the synchronous one, sampled on other ranks. A checkpoint at step t holds the batches sampled for
-steps t+1..t+K (each trainer its share); resumed, the trainers tell the sampling ranks where to start and send them
-the checkpoint's weights. A rank of either side that stops stops the other side at its next exchange, in one line.
+The sampling ranks run train.py's steps 1-3 and send each trainer its share of every step's groups, with every rank's
+rewards; the trainers run steps 4-8, and after each update the first trainer broadcasts the weights to the sampling
+ranks, one tensor at a time, without waiting (it keeps at most K + 1 updates' worth until they are sent). Keyed by
+step as in minigdpo/pipeline.py, so with K = 0 the run is the synchronous one, sampled on other ranks.
 """
 
 import time
