@@ -7,9 +7,12 @@
 
 Each run is a fresh train.py process on this machine, one after the other; the wall-clock is the training command's
 own, start-up and checkpoint included. The table's ratio is each run's wall-clock over the K = 0 run's.
+`--placements colocated,split` adds the split placement: 2 ranks under torchrun, one training and one sampling
+(`--sampler-ranks 1`), one thread each (torchrun's default), against the same colocated K = 0 run.
 
     python benchmarks/async_rollouts.py                           # both parts (about 25 minutes on 2 cores)
     python benchmarks/async_rollouts.py --parts demo --json out.json
+    python benchmarks/async_rollouts.py --parts demo --placements colocated,split
 """
 
 import argparse
@@ -53,12 +56,14 @@ PARTS = {
 }
 
 
-def one(part, K, args, work):
+def one(part, K, args, work, placement="colocated"):
     """(wall-clock seconds, metrics rows) of one training command."""
-    out = os.path.join(work, f"{part}-k{K}")
+    out = os.path.join(work, f"{part}-k{K}-{placement}")
     env = {**os.environ, JUDGE_SECONDS: str(args.judge_seconds), TOOL_SECONDS: str(args.tool_seconds)}
-    cmd = [sys.executable, "train.py", *PARTS[part](args), "--async-steps", str(K), "--output-dir", out,
-           "--save-every", "0"]
+    launch = [sys.executable] if placement == "colocated" else [sys.executable, "-m", "torch.distributed.run",
+                                                                "--nproc_per_node", "2"]
+    cmd = [*launch, "train.py", *PARTS[part](args), "--async-steps", str(K), "--output-dir", out, "--save-every", "0",
+           *(["--sampler-ranks", "1"] if placement == "split" else [])]
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
     wall = time.perf_counter() - t0
@@ -72,6 +77,7 @@ def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--parts", default="demo,agent")
     p.add_argument("--ks", default="0,1,2")
+    p.add_argument("--placements", default="colocated", help="colocated, split, or both (comma-separated)")
     p.add_argument("--judge-seconds", type=float, default=10.0)
     p.add_argument("--tool-seconds", type=float, default=2.0)
     p.add_argument("--demo-steps", type=int, default=5)
@@ -83,17 +89,17 @@ def main():
     with tempfile.TemporaryDirectory() as work:
         for part in args.parts.split(","):
             base = None
-            for K in map(int, args.ks.split(",")):
-                wall, rows = one(part, K, args, work)
+            for placement, K in [(pl, K) for pl in args.placements.split(",") for K in map(int, args.ks.split(","))]:
+                wall, rows = one(part, K, args, work, placement)
                 base = base or wall
                 per_step = [r["time/step"] for r in rows]
-                row = {"part": part, "K": K, "wall_s": wall, "ratio": wall / base, "steps": len(rows),
+                row = {"part": part, "placement": placement, "K": K, "wall_s": wall, "ratio": wall / base, "steps": len(rows),
                        "s_per_step": sum(per_step) / len(per_step),
                        "wait_sampler_s": sum(r.get("time/wait_sampler", 0) for r in rows),
                        "wait_trainer_s": sum(r.get("time/wait_trainer", 0) for r in rows),
                        "staleness_max": max(r.get("async/staleness_max", 0) for r in rows)}
                 results.append(row)
-                print(f"{part:<6} K={K}  {wall:7.1f} s  ({row['ratio']:.2f}x of K=0)  {row['s_per_step']:6.1f} s/step  "
+                print(f"{part:<6} {placement:<9} K={K}  {wall:7.1f} s  ({row['ratio']:.2f}x of K=0)  {row['s_per_step']:6.1f} s/step  "
                       f"trainer waited {row['wait_sampler_s']:6.1f} s, sampler {row['wait_trainer_s']:6.1f} s", flush=True)
     if args.json:
         with open(args.json, "w") as f:
