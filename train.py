@@ -149,10 +149,10 @@ def run_training(argv=None):
         if cfg.dynamic_sampling:  # rounds of fresh prompts until B groups can be learned from
             batch, cursor = dynamic_sampling.sample(step, cursor, order, task, tokenizer, sampler, scorer, cfg, sizes,
                                                     names, conditions, weights, seconds, agent)
-        else:  # one round; a synchronous sampler sleeps before scoring: an update, and so a weight sync, follows
+        else:  # one round; a synchronous colocated sampler sleeps before scoring: an update and a weight sync follow
             examples, seed = rollout.step_prompts(step, cursor, order, task, cfg, sizes)
             batch = rollout.rollout(examples, seed, tokenizer, sampler, scorer, cfg, seconds,
-                                    sleep=cfg.async_steps == 0, agent=agent)
+                                    sleep=not (cfg.async_steps or cfg.sampler_ranks), agent=agent)
             cursor += sizes.prompts_per_step
         batch.seconds = seconds
         return batch, cursor

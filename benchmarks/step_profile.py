@@ -1,0 +1,95 @@
+"""One step of benchmarks/vs_trl.py's smollm2 work, part by part, with torch.profiler's top ops: where the time goes.
+
+The work: 4 GSM8K questions x 8 completions, SmolLM2-135M-Instruct (the demo model, cached) in fp32 on the CPU.
+- generate: the HF sampler, 64 new tokens a completion (--new-tokens), stop tokens ignored;
+- update: the reference pass (fill_logprobs) and one update (update.update) over 64 random tokens a completion,
+  cut into micro-batches of 16 as train.py cuts them.
+
+    python benchmarks/step_profile.py --part update              # seconds, twice (the first is warm-up)
+    python benchmarks/step_profile.py --part generate --new-tokens 200 --profile   # and the top ops by self time
+"""
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+GSM8K = os.path.join(ROOT, "..", "shared", "data", "gsm8k", "train.jsonl")
+
+from minigdpo import dist, microbatch, models, policy  # noqa: E402
+from minigdpo.config import Config  # noqa: E402
+from minigdpo.sampler import Completion, SamplingParams  # noqa: E402
+from minigdpo.update import fill_logprobs, optimizer, scheduler, update  # noqa: E402
+from minigdpo.vllm_sampler import make_sampler  # noqa: E402
+from rewards import encode_prompt  # noqa: E402
+
+
+def prompts(tokenizer):
+    with open(GSM8K) as f:
+        rows = [json.loads(line) for line, _ in zip(f, range(4))]
+    return [encode_prompt(tokenizer, [{"role": "user", "content": r["question"]}], 512) for r in rows]
+
+
+def generate_part(path, tokenizer, args):
+    lm = models.load_model(path, torch.float32)
+    stop = models.stop_token_ids(lm.config, lm.generation_config, tokenizer)
+    sampler = make_sampler("hf", path, torch.device("cpu"), tokenizer, stop, torch.float32)
+    ids, params = prompts(tokenizer), SamplingParams(1.0, 1.0, args.new_tokens, seed=1, ignore_eos=True)
+
+    def once():
+        t0 = time.perf_counter()
+        sampler.generate(ids, 8, params)
+        return {"generate_s": time.perf_counter() - t0}
+
+    return once
+
+
+def update_part(path, tokenizer, args):
+    dist.init()
+    cfg = Config(model=path, group_size=8, batch_size=32, micro_batch_size=16, beta=0.04, max_new_tokens=64,
+                 max_prompt_len=512, lr=1e-6, dtype="fp32")
+    g = torch.Generator().manual_seed(0)
+    groups = [(p, [Completion(torch.randint(0, 49000, (64,), generator=g).tolist(), [-1.0] * 64) for _ in range(8)],
+               torch.randn(8, generator=g)) for p in prompts(tokenizer)]
+    device = torch.device("cpu")
+    model = policy.build(path, device, torch.float32, context=1024)
+    ref = policy.build(path, device, torch.float32, frozen=True, context=1024)
+    opt, layout = optimizer(model, 1e-6, 0.0), "packed" if cfg.padding_free else "padded"
+    sched = scheduler(opt, 10, 0.0, "constant")
+
+    def once():
+        batches = microbatch.cut(groups, cfg, tokenizer.pad_token_id, device, layout)
+        t0 = time.perf_counter()
+        fill_logprobs(ref, batches, "ref_logp", cfg, reshard=True)
+        t1 = time.perf_counter()
+        update(model, opt, sched, batches, cfg)
+        return {"reference_s": t1 - t0, "update_s": time.perf_counter() - t1}
+
+    return once
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--part", choices=["generate", "update"], default="update")
+    p.add_argument("--new-tokens", type=int, default=64)
+    p.add_argument("--profile", action="store_true", help="then one more under torch.profiler: its top 12 ops")
+    args = p.parse_args()
+    path = models.resolve_model(models.DEMO_MODEL)
+    tokenizer = models.load_tokenizer(path)
+    once = (generate_part if args.part == "generate" else update_part)(path, tokenizer, args)
+    print(f"threads {torch.get_num_threads()}; warm-up {once()}; timed {once()}", flush=True)
+    if args.profile:
+        from torch.profiler import ProfilerActivity, profile
+
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            once()
+        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=12))
+
+
+if __name__ == "__main__":
+    main()
