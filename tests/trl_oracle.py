@@ -170,7 +170,7 @@ def mini_step(work, loss_type, ga, model, ref):
     """minigdpo's advantages (gdpo) and one update on TRL's micro-batches, each as one of ours."""
     from types import SimpleNamespace
 
-    from minigdpo import fsdp
+    from minigdpo import dist
     from minigdpo.advantages import gdpo
     from minigdpo.config import Config
     from minigdpo.sampler import Completion
@@ -200,7 +200,7 @@ def trl(work):
 
 def mini(work):
     """Every case from the same weights (the update never steps the optimizer), in one process group."""
-    from minigdpo import fsdp, policy
+    from minigdpo import dist, policy
 
     device = dist.init()
     model = policy.build(os.path.join(work, "policy"), device, torch.float32)
@@ -218,6 +218,6 @@ if __name__ == "__main__":
     part, work = sys.argv[1:]
     {"fixtures": fixtures, "trl": trl, "mini": mini}[part](work)
     if part == "mini":
-        from minigdpo import fsdp
+        from minigdpo import dist
 
         dist.cleanup()  # once mini's sharded models are gone: they hold the group
