@@ -73,7 +73,8 @@ def run_training(argv=None):
     role, others = dist.role(), len(dist.other_ranks()) if cfg.sampler_ranks else 0  # minigdpo/split.py
     sizes = config.resolve(cfg, dist.world_size(), len(task.examples), getattr(dist.mesh(), "shape", ()), others)
     sampling_group = dist.sampling_group() if cfg.async_steps and not cfg.sampler_ranks else None  # every rank, here
-    checkpoint.check_shared(cfg.output_dir)  # multi-node: one filesystem for every rank, checked before any load
+    if role != "sampler":  # multi-node: one filesystem for every rank that writes, checked before any load
+        checkpoint.check_shared(cfg.output_dir)
     run = config.describe(cfg, sizes) | {"rewards": names}
     dist.print0(f"minigdpo: {cfg.estimator} on {cfg.task} ({len(task.examples)} prompts"
                 + (f", {task.skipped} malformed rows skipped" if task.skipped else "") + f"), rewards {names}")

@@ -40,6 +40,19 @@ def test_k0_samples_what_one_process_does_and_the_weights_land_on_the_sampling_r
 
 
 @pytest.mark.slow
+def test_two_sampling_ranks_sample_what_two_colocated_ranks_do(tmp_path):
+    """4 ranks, 2 of them sampling: each takes its share of a step's prompts with the seeds of a colocated run on 2
+    ranks, and each trainer gets its share of the groups from both. K = 0 samples and scores as that run does."""
+    colocated, split = str(tmp_path / "colocated"), str(tmp_path / "split")
+    run(["train.py", *COMMON, "--max-steps", "3", "--output-dir", colocated], nproc=2)
+    run(["train.py", *COMMON, "--max-steps", "3", "--sampler-ranks", "2", "--output-dir", split], nproc=4)
+    (m2, s2), (m4, s4) = rows(colocated), rows(split)
+    assert [(r["completion"], r["rewards"]) for r in s2] == [(r["completion"], r["rewards"]) for r in s4]
+    assert [r["reward/varied/mean"] for r in m2] == [r["reward/varied/mean"] for r in m4]
+    assert all(r["sampler/logp_gap"] < 1e-5 for r in m4)
+
+
+@pytest.mark.slow
 def test_k1_samples_a_step_ahead_and_resumes_exactly(tmp_path):
     """K = 1: step s is sampled by the weights of update s - 2 (staleness 1 from step 2), which widens the log-prob
     gap. Killed as checkpoint 4 begins and resumed from 2, the trainers hold the batch sampled for step 3 (by the
