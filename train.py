@@ -161,7 +161,7 @@ def run_training(argv=None):
     if cfg.sampler_ranks:  # the trainers tell the sampling ranks where the run starts and send them its weights
         pipe, start, cursor = split.pipeline(
             cfg.async_steps, start, cursor, pending, sizes.total_steps, sample, sampler,
-            lambda: model.whole_weights(dtype, adapters_only=sampler.adapters_only))
+            lambda: model.whole_weights(dtype, main_only=True, adapters_only=sampler.adapters_only))
     else:
         pipe = pipeline.Pipeline(cfg.async_steps, start, sizes.total_steps, sample, sampler.load_weights, pending)
 

@@ -32,7 +32,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-from minigdpo import checkpoint, dist, fsdp, logprobs, models, policy  # noqa: E402
+from minigdpo import checkpoint, dist, logprobs, models, policy  # noqa: E402
 from minigdpo.config import Config  # noqa: E402
 from minigdpo.sampler import Completion, HFSampler, SamplingParams, sync_every  # noqa: E402
 from tests.microbatches import micro_batches  # noqa: E402
@@ -245,7 +245,7 @@ def export_figures(model, tokenizer, path, source, args):
 
     save_dtype = models.source_dtype(source)  # as train.py does
     held = {"files": [], "full_bytes": 0}
-    orig_save, orig_full = checkpoint.save_file, fsdp.full_tensor
+    orig_save, orig_full = checkpoint.save_file, dist.full_tensor
 
     def save_file(tensors, filename, metadata=None):
         held["files"].append((sum(t.numel() * t.element_size() for t in tensors.values()), len(tensors)))
@@ -256,12 +256,12 @@ def export_figures(model, tokenizer, path, source, args):
         held["full_bytes"] += out.numel() * out.element_size() if out is not None else 0
         return out
 
-    checkpoint.save_file, fsdp.full_tensor = save_file, full_tensor
+    checkpoint.save_file, dist.full_tensor = save_file, full_tensor
     max_shard, checkpoint.MAX_SHARD_BYTES = checkpoint.MAX_SHARD_BYTES, args.export_shard_mb * MB
     try:
         error = checkpoint._write_hf(model, tokenizer, path, save_dtype)
     finally:
-        checkpoint.save_file, fsdp.full_tensor, checkpoint.MAX_SHARD_BYTES = orig_save, orig_full, max_shard
+        checkpoint.save_file, dist.full_tensor, checkpoint.MAX_SHARD_BYTES = orig_save, orig_full, max_shard
     assert not error, error
     dist.barrier()
     dtypes, nbytes = set(), 0

@@ -32,7 +32,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import save_file
 
-from minigdpo import dist, fsdp, lora
+from minigdpo import dist, lora
 from minigdpo.config import ConfigError
 
 _STEP_DIR = re.compile(r"^step_(\d{6,})$")
@@ -123,7 +123,7 @@ def missing_files(path, world_size):
     """The files checkpoint `path` needs and lacks (or holds too short), relative to it: every file DCP's
     metadata lists under state/, and each saving rank's RNG state."""
     try:
-        shards = fsdp.sharded_files(os.path.join(path, "state"))
+        shards = dist.sharded_files(os.path.join(path, "state"))
         need = {os.path.join("state", name): size for name, size in shards.items()}
     except OSError:
         return [os.path.join("state", ".metadata")]
@@ -249,7 +249,7 @@ def set_rng_state(rng):
 
 def _explain(error, path):
     """One line for a failed write, saying so when the disk is full (some writers hide ENOSPC)."""
-    kind = "" if isinstance(error, (fsdp.SaveError, NotWhole)) else f"{type(error).__name__}: "  # those say what failed
+    kind = "" if isinstance(error, (dist.SaveError, NotWhole)) else f"{type(error).__name__}: "  # those say what failed
     text = f"{kind}{str(error).splitlines()[0] if str(error) else ''}"
     try:
         full = shutil.disk_usage(os.path.dirname(path)).free < 1024 * 1024
@@ -264,7 +264,7 @@ def _attempt(fn, path):
     """Run one rank's part of a save phase; the error as one line, or "" (fn may return its own error)."""
     try:
         return fn() or ""
-    except fsdp.SaveError as e:  # DCP's verdict, raised on every rank: the failed rank(s) report it
+    except dist.SaveError as e:  # DCP's verdict, raised on every rank: the failed rank(s) report it
         return _explain(e, path) if dist.rank() in e.ranks else ""
     except Exception as e:  # OSError for a full disk or a failed write
         return _explain(e, path)
@@ -311,7 +311,7 @@ def save(output_dir, step, model, optimizer, sched, tokenizer, trainer_state, sa
 
     def write_state():  # each rank creates every folder it writes to
         os.makedirs(os.path.join(tmp, "rng"), exist_ok=True)
-        fsdp.save_sharded(model, optimizer, os.path.join(tmp, "state"))
+        dist.save_sharded(model, optimizer, os.path.join(tmp, "state"))
         torch.save(rng_state(), os.path.join(tmp, "rng", f"rank{dist.rank()}.pt"))
         if pending:
             os.makedirs(os.path.join(tmp, "pending"), exist_ok=True)
@@ -392,7 +392,7 @@ def load(path, model, optimizer, sched):
     theirs = _lora_flags(saved.get("lora_rank", 0), saved.get("lora_targets", []))
     if ours != theirs:
         raise ConfigError(f"--resume: {path} was trained with {theirs}, this run has {ours}")
-    fsdp.load_sharded(model, optimizer, os.path.join(path, "state"))
+    dist.load_sharded(model, optimizer, os.path.join(path, "state"))
     sched.load_state_dict(state["scheduler"])
     rng_file = os.path.join(path, "rng", f"rank{dist.rank()}.pt")
     if os.path.exists(rng_file):  # absent when resuming with more ranks than saved

@@ -1,5 +1,6 @@
-"""Everything torch.distributed but FSDP2: process group, rank helpers, collectives, the device mesh.
-minigdpo/fsdp.py does FSDP2's sharding and the sharded checkpoints; no third file imports torch.distributed.
+"""Everything torch.distributed but FSDP2's sharding: process group, rank helpers, collectives, the device mesh, whole
+tensors from shards and sharded checkpoints. No other file issues a collective (minigdpo/fsdp.py shards with FSDP2's
+API, whose collectives run inside torch).
 
 A plain `python train.py` is world size 1 on the same code path: it initialises a
 one-process group (gloo on CPU, NCCL on GPU) so that FSDP2 and the collectives work unchanged.
@@ -27,7 +28,10 @@ from contextlib import contextmanager
 
 import torch
 import torch.distributed as tdist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.tensor import DTensor
 
 _device = None   # the training device, set by init(): every collective's tensors go there
 _mesh = None     # the FSDP2 device mesh, built once by init()
@@ -287,9 +291,11 @@ def recv_object(src):
 
 
 def bridge(tensor, wait=True):
-    """Broadcast `tensor` from rank 0 (the first trainer) to the sampling ranks, into theirs. wait=False returns the
-    pending work at once (the sender keeps the tensor until it completes)."""
-    return tdist.broadcast(tensor, src=0, group=_groups["bridge"], async_op=not wait)
+    """Broadcast `tensor` from rank 0 (the first trainer) to the sampling ranks, on the training device: returns
+    (the tensor there, on a sampling rank what rank 0 sent; the pending work with wait=False, which the sender keeps
+    with the tensor until it completes, else None)."""
+    tensor = tensor.to(device())
+    return tensor, tdist.broadcast(tensor, src=0, group=_groups["bridge"], async_op=not wait)
 
 
 def announce(obj, src):
@@ -297,3 +303,73 @@ def announce(obj, src):
     box = [obj]
     tdist.broadcast_object_list(box, src=src, group=_groups["channel"])
     return box[0]
+
+
+def full_tensor(t, main_only=False):
+    """The whole tensor behind a (possibly sharded) parameter. Every rank must call it, in the same order.
+
+    main_only=True gathers it on rank 0 alone and returns None on the other ranks: for a writer that
+    only rank 0 runs (the Hugging Face export), no other rank holds a whole tensor.
+    """
+    if not main_only or world_size() == 1:
+        return t.full_tensor() if isinstance(t, DTensor) else t
+    if not isinstance(t, DTensor):
+        return t if is_main() else None
+    # FSDP2 shards dim 0 along the mesh's last dimension, as torch.chunk does: equal blocks of
+    # ceil(rows / ranks) rows, the last ones shorter or empty. Rank 0 gathers its node's blocks (with
+    # HSDP, the other nodes hold replicas of them and take no part), padded to one size, then trims.
+    group = t.device_mesh.get_group(t.device_mesh.ndim - 1)
+    if 0 not in tdist.get_process_group_ranks(group):  # another node's replica of the same blocks
+        return None
+    local, rows = t.to_local(), t.shape[0]
+    block = -(-rows // tdist.get_world_size(group))
+    padded = local.new_zeros((block,) + tuple(local.shape[1:]))
+    padded[:local.shape[0]] = local
+    blocks = [torch.empty_like(padded) for _ in range(tdist.get_world_size(group))] if is_main() else None
+    tdist.gather(padded, blocks, group_dst=0, group=group)
+    return torch.cat(blocks)[:rows] if is_main() else None
+
+
+class SaveError(OSError):
+    """A sharded save failed; raised on every rank, with `ranks`, those where it failed."""
+
+
+def save_sharded(model, optimizer, path):
+    """Each rank writes its shards of model and optimizer state (torch.distributed.checkpoint).
+
+    DCP gathers every rank's write result, so a write that fails on one rank raises on all of them.
+    Frozen parameters (a LoRA model's base weights) are left out: they never change, and resume
+    reads them from the model's own checkpoint again.
+    """
+    model_sd, optim_sd = get_state_dict(model, optimizer, options=StateDictOptions(ignore_frozen_params=True))
+    try:
+        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=path, process_group=_group())
+    except dcp.api.CheckpointException as e:  # a BaseException: turn it into an ordinary, one-line error
+        bad = sorted(e.failures)
+        first = e.failures[bad[0]] if bad else e
+        cause = first[0] if isinstance(first, tuple) else first
+        error = SaveError(f"{type(cause).__name__}: {str(cause).splitlines()[0] if str(cause) else ''}")
+        error.ranks = bad
+        raise error from None
+
+
+def sharded_files(path):
+    """{file name: bytes it holds at least} for every file the DCP checkpoint at `path` needs: its .metadata
+    and each shard file the metadata lists (OSError when the metadata cannot be read)."""
+    need = {".metadata": 1}
+    for info in dcp.FileSystemReader(path).read_metadata().storage_data.values():
+        need[info.relative_path] = max(need.get(info.relative_path, 0), info.offset + info.length)
+    return need
+
+
+def load_sharded(model, optimizer, path):
+    """Inverse of save_sharded; works for a different world size too (DCP reshards).
+
+    Every trainable parameter must be in the checkpoint (DCP raises on a missing key); frozen ones are
+    not loaded, so the model's own state dict is checked strictly only when nothing is frozen."""
+    model_sd, optim_sd = get_state_dict(model, optimizer, options=StateDictOptions(ignore_frozen_params=True))
+    state = {"model": model_sd, "optim": optim_sd}
+    dcp.load(state, checkpoint_id=path, process_group=_group())
+    strict = all(p.requires_grad for p in model.parameters())
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
+                   options=StateDictOptions(strict=strict, ignore_frozen_params=True))

@@ -334,7 +334,7 @@ class LogProbModel(nn.Module):
             return
         for name, t in self.lm.state_dict(keep_vars=True).items():
             if name not in tied:  # cast first: fewer bytes to gather
-                yield name, fsdp.full_tensor(t.detach().to(dtype) if dtype is not None else t.detach(), main_only)
+                yield name, dist.full_tensor(t.detach().to(dtype) if dtype is not None else t.detach(), main_only)
 
     def tied_names(self):
         """Names that share storage with an earlier name, e.g. lm_head.weight -> model.embed_tokens.weight."""

@@ -39,7 +39,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
-from minigdpo import fsdp
+from minigdpo import dist
 
 ADAPTER = "default"  # peft's name for a model's only adapter
 
@@ -171,7 +171,7 @@ def merged_state(lm, dtype, skip, main_only=False):
 
     Names in `skip` (tied weights) are left out. Every rank must iterate to the end, in the same order:
     each gather is a collective. main_only=True gathers on rank 0 alone, and merges there; the other
-    ranks get None (fsdp.full_tensor).
+    ranks get None (dist.full_tensor).
     """
     layers = dict(lora_layers(lm))
     state = lm.state_dict(keep_vars=True)
@@ -180,9 +180,9 @@ def merged_state(lm, dtype, skip, main_only=False):
             continue
         prefix, _, leaf = name.rpartition(".base_layer.")
         if prefix in layers and leaf == "weight":
-            A = fsdp.full_tensor(state[f"{prefix}.lora_A.{ADAPTER}.weight"].detach(), main_only)   # (R, in)
-            B = fsdp.full_tensor(state[f"{prefix}.lora_B.{ADAPTER}.weight"].detach(), main_only)   # (out, R)
-            W = fsdp.full_tensor(t.detach(), main_only)                                           # (out, in)
+            A = dist.full_tensor(state[f"{prefix}.lora_A.{ADAPTER}.weight"].detach(), main_only)   # (R, in)
+            B = dist.full_tensor(state[f"{prefix}.lora_B.{ADAPTER}.weight"].detach(), main_only)   # (out, R)
+            W = dist.full_tensor(t.detach(), main_only)                                           # (out, in)
             if W is None:  # main_only, on another rank
                 yield f"{prefix}.weight", None
                 continue
@@ -191,7 +191,7 @@ def merged_state(lm, dtype, skip, main_only=False):
         else:  # a bias of an adapted layer, or any other tensor: its name without the ".base_layer"
             t = t.detach()
             t = t.to(dtype) if dtype is not None else t
-            yield name.replace(".base_layer.", "."), fsdp.full_tensor(t, main_only)
+            yield name.replace(".base_layer.", "."), dist.full_tensor(t, main_only)
 
 
 def adapter_weights(lm, dtype=None):
@@ -200,7 +200,7 @@ def adapter_weights(lm, dtype=None):
     Every rank must iterate to the end: each gather is a collective."""
     for name, t in lm.state_dict(keep_vars=True).items():
         if is_adapter(name):
-            yield name, fsdp.full_tensor(t.detach().to(dtype) if dtype is not None else t.detach())
+            yield name, dist.full_tensor(t.detach().to(dtype) if dtype is not None else t.detach())
 
 
 def is_adapter(name):
@@ -212,7 +212,7 @@ def adapter_state(lm):
     Every rank must call it: each gather is a collective."""
     from peft import get_peft_model_state_dict
 
-    state = {name: fsdp.full_tensor(t.detach()) for name, t in lm.state_dict(keep_vars=True).items()
+    state = {name: dist.full_tensor(t.detach()) for name, t in lm.state_dict(keep_vars=True).items()
              if is_adapter(name)}
     # PeftModel's own keys start with its wrappers' names (PeftModel.base_model -> LoraModel.model).
     return {"base_model.model." + k: v for k, v in get_peft_model_state_dict(lm, state, ADAPTER).items()}

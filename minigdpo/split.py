@@ -58,7 +58,7 @@ class Trainers:
     ranks, its weights go to them. weights(): the model's (name, whole tensor) pairs (every trainer iterates them)."""
 
     def __init__(self, K, first, last, weights, pending=()):
-        self.K, self.first, self.last, self.weights = K, first, last, weights
+        self.K, self.last, self.weights = K, last, weights
         self.ready = {first + 1 + i: entry for i, entry in enumerate(pending)}  # step -> (batch, cursor, version)
         self.sending = deque()  # [works] of the updates the samplers may not have yet
 
@@ -82,7 +82,7 @@ class Trainers:
     def publish(self, step, weights):
         """The update's weights (None: skipped) to the sampling ranks, without waiting for them."""
         tensors = self._copies(weights()) if weights is not None else None
-        flag = torch.tensor([int(weights is not None)], device=dist.device())
+        flag = torch.tensor([int(weights is not None)])
         self._send([("", flag)] + (tensors or []) if dist.rank() == 0 else None)
 
     def step_done(self, step):  # the sampling ranks wait for weights, not for the trainers' steps
@@ -95,16 +95,17 @@ class Trainers:
         return [self.ready[s] for s in after]
 
     def _copies(self, weights):
-        """The first trainer's copy of each whole tensor (the model moves on while it is sent); None elsewhere."""
-        copies = [(name, t.detach().clone()) for name, t in weights]
+        """The first trainer's copy of each whole tensor (the model moves on while it is sent); None elsewhere, where
+        `weights` is iterated for its collectives alone."""
+        copies = [(name, t.detach().clone()) for name, t in weights if dist.rank() == 0]
         return copies if dist.rank() == 0 else None
 
     def _send(self, tensors):
         if tensors is not None:
-            self.sending.append([dist.bridge(t, wait=False) for _, t in tensors])
+            self.sending.append([dist.bridge(t, wait=False) for _, t in tensors])  # [(tensor, work)]
         while len(self.sending) > self.K + 1:
             works = self.sending.popleft()
-            _talk(lambda: [w.wait() for w in works])
+            _talk(lambda: [w.wait() for _, w in works])
 
     def _receive(self, step):
         """Step `step`'s batch: this trainer's groups from every sampling rank, in order, the rest from the first."""
@@ -149,9 +150,7 @@ class Samplers:
                           self.manifest)
 
     def _receive(self, tensor):
-        tensor = tensor.to(dist.device())
-        _talk(dist.bridge, tensor)
-        return tensor
+        return _talk(dist.bridge, tensor)[0]
 
     def _send(self, batch, rest):
         """Each trainer's share of the step's groups (S of them, rank j of N holding j * S // N on), with the rest of

@@ -249,7 +249,7 @@ def clip_grad(model, max_norm):
     """Clip the global gradient norm across all shards; returns the norm before clipping."""
     params = [p for p in model.parameters() if p.grad is not None]
     norm = torch.nn.utils.clip_grad_norm_(params, max_norm if max_norm > 0 else math.inf)
-    return fsdp.full_tensor(norm).float()
+    return dist.full_tensor(norm).float()
 
 
 def step_metrics(totals):

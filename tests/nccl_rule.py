@@ -20,7 +20,7 @@ import torch.distributed
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from minigdpo import dist, fsdp  # noqa: E402
+from minigdpo import dist  # noqa: E402
 
 # The tensor-taking wrappers, with a call each. Object collectives (all_gather_object, broadcast_object)
 # are left to torch, which picks the group's own device for them.
@@ -29,12 +29,12 @@ CALLS = {
     "all_reduce": lambda: [dist.all_reduce(torch.ones(2), op=op) for op in ("sum", "min", "max")][-1],
     "barrier": lambda: dist.barrier(),
     "full_tensor": lambda: _full_tensor(),
+    "bridge": lambda: _bridge(),
 }
 OBJECT_COLLECTIVES = {"all_gather_object", "broadcast_object_list"}
-# The split placement's (--sampler-ranks): send_object and recv_object use its channel, a gloo group of host tensors
-# by design; bridge broadcasts in place, into its caller's tensor, which minigdpo/split.py makes on the training
-# device (tests/test_split.py runs all three).
-SPLIT_PLACEMENT = {"send_object", "recv_object", "bridge"}
+# The split placement's channel (--sampler-ranks): send_object and recv_object use a gloo group of host tensors by
+# design (tests/test_split.py runs them).
+SPLIT_CHANNEL = {"send_object", "recv_object"}
 
 
 def _full_tensor():
@@ -43,9 +43,17 @@ def _full_tensor():
     from torch.distributed.tensor import DTensor, Shard
     mesh = init_device_mesh("meta", (dist.world_size(),))
     t = DTensor.from_local(torch.ones(3, 4, device="meta"), mesh, [Shard(0)])
-    whole = fsdp.full_tensor(t)
+    whole = dist.full_tensor(t)
     assert whole.device.type == "meta" and whole.shape == (3 * dist.world_size(), 4), whole
-    return fsdp.full_tensor(t, main_only=True)  # rank 0 gathers; the others get None
+    return dist.full_tensor(t, main_only=True)  # rank 0 gathers; the others get None
+
+
+def _bridge():
+    """The split placement's weight broadcast, here over the world group (rank 0 sends, as the first trainer does)."""
+    dist._groups["bridge"] = torch.distributed.group.WORLD
+    sent, work = dist.bridge(torch.ones(2))
+    assert work is None
+    return sent
 
 
 def wrappers_calling_collectives():
@@ -73,7 +81,7 @@ def main():
         raise SystemExit("the simulated group accepted a host tensor")
     except RuntimeError as e:
         assert "No backend type associated with device type cpu" in str(e), e
-    missing = wrappers_calling_collectives() - set(CALLS) - OBJECT_COLLECTIVES - SPLIT_PLACEMENT
+    missing = wrappers_calling_collectives() - set(CALLS) - OBJECT_COLLECTIVES - SPLIT_CHANNEL
     assert not missing, f"collective wrappers this check does not call: {sorted(missing)}"
     for name, call in CALLS.items():
         out = call()

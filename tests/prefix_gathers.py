@@ -16,7 +16,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.gpu_proxies import Collectives  # noqa: E402
-from minigdpo import dist, fsdp, models, policy  # noqa: E402
+from minigdpo import dist, models, policy  # noqa: E402
 from tests.test_policy import batches, model_logprobs  # noqa: E402
 
 
@@ -33,7 +33,7 @@ def main(out):
             forward = dict(coll.gathers)
             (logp * torch.arange(logp.shape[1])).sum().backward()
         backward = {k: v - forward.get(k, 0) for k, v in coll.gathers.items()}
-        grads[share] = {n: fsdp.full_tensor(p.grad).clone() for n, p in model.named_parameters()}
+        grads[share] = {n: dist.full_tensor(p.grad).clone() for n, p in model.named_parameters()}
         result[str(share)] = dict(forward=forward, backward=backward)
     result["grad_diff"] = max((grads[True][n] - grads[False][n]).abs().max().item() for n in grads[True])
     result["grad_max"] = max(g.abs().max().item() for g in grads[False].values())

@@ -15,7 +15,7 @@ import torch
 from safetensors.torch import load_file
 
 from conftest import mounted_tmpfs, read_jsonl, refusal, refused, run
-from minigdpo import checkpoint, cli, config, fsdp, logprobs, lora, microbatch, models, policy
+from minigdpo import checkpoint, cli, config, dist, fsdp, logprobs, lora, microbatch, models, policy
 from minigdpo.sampler import HFSampler, SamplingParams
 from minigdpo.update import optimizer, scheduler
 from minigdpo.sampler import WeightSyncError
@@ -94,7 +94,7 @@ def test_a_reference_pass_first_keeps_fp32_gradient_accumulation(tiny, process_g
     mbs = [batches(1)[0], batches(2)[0]]
 
     def adapter_grads():
-        return {n: fsdp.full_tensor(p.grad).clone() for n, p in model.named_parameters() if ".lora_" in n}
+        return {n: dist.full_tensor(p.grad).clone() for n, p in model.named_parameters() if ".lora_" in n}
 
     alone = []
     for mb in mbs:

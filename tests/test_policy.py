@@ -9,7 +9,7 @@ import os
 import pytest
 import torch
 
-from minigdpo import checkpoint, fsdp, logprobs, microbatch, models, policy
+from minigdpo import checkpoint, dist, logprobs, microbatch, models, policy
 from minigdpo.sampler import Completion, HFSampler, SamplingParams, sample_next
 from microbatches import micro_batches
 from minigdpo.update import lr_lambda, optimizer, scheduler
@@ -584,4 +584,4 @@ def test_the_pass_composes_with_gradient_checkpointing(tiny, process_group, pack
     (want * torch.arange(want.shape[1])).sum().backward()
     assert forward_calls == 2 and len(calls) == 4  # 2 layers, each run again in the backward
     for (name, p), q in zip(model.lm.named_parameters(), plain.parameters()):
-        torch.testing.assert_close(fsdp.full_tensor(p.grad), q.grad, atol=1e-5, rtol=1e-4, msg=name)
+        torch.testing.assert_close(dist.full_tensor(p.grad), q.grad, atol=1e-5, rtol=1e-4, msg=name)

@@ -160,9 +160,9 @@ class GradCapture:
             p.grad = None
 
     def step(self):
-        from minigdpo import fsdp
+        from minigdpo import dist
 
-        self.grads = {n.removeprefix("lm."): fsdp.full_tensor(p.grad).clone()
+        self.grads = {n.removeprefix("lm."): dist.full_tensor(p.grad).clone()
                       for n, p in self.model.named_parameters() if p.grad is not None}
 
 
