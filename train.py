@@ -95,7 +95,7 @@ def run_training(argv=None):
                             "resident" if auto_resident else cfg.reward_model_placement, policy.build_classifier)
     model = ref = opt = sched = None  # a sampling rank (--sampler-ranks) has none of them
     if role != "sampler":
-        compiled = cfg.compile == "true" or (cfg.compile == "auto" and device.type == "cuda")
+        compiled = cfg.compile == "true"  # auto: eager everywhere for now (Config.compile says why)
         model = policy.build(path, device, dtype, cfg.grad_checkpointing, lora_settings=lora_settings,
                              compile=compiled, context=context)
         if cfg.beta > 0 and not lora_settings:  # with LoRA the reference is the policy with its adapters off

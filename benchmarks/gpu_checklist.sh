@@ -6,7 +6,9 @@
 #                                              # the export loaded by transformers
 #   bash benchmarks/gpu_checklist.sh lora      # the same shape with LoRA rank 32; benchmarks/gpu.py
 #   bash benchmarks/gpu_checklist.sh compile   # gpu_profile.py on a spread of lengths: padded and packed, by token
-#                                              # budgets, eager and compiled layers (MFU, GPU idle share)
+#                                              # budgets of 16k and 64k, eager and compiled layers (MFU, GPU idle share)
+#   bash benchmarks/gpu_checklist.sh async     # the train part's shape at --async-steps 0 and 1 (ASYNC_STEPS), 4 steps
+#                                              # each: step times, waits, staleness and the sampler/trainer gap
 #
 # The model is random (built from the shape, no download) with the offline byte-level tokenizer, so every
 # completion runs to --max-new-tokens (512 here: about a trained 1.5B model's GSM8K completions, not the
@@ -17,7 +19,7 @@ cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/gpu-checklist}
 DATA=${DATA:-../shared/data/gsm8k/train.jsonl}
 mkdir -p "$OUT"
-export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 MINIGDPO_CACHE=${MINIGDPO_CACHE:-/tmp/minigdpo-cache}
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 MINIGDPO_CACHE=${MINIGDPO_CACHE:-/tmp/minigdpo-cache}
 
 summary() {  # per-step phases, peak memory and MFU (989 TFLOP/s: H100 SXM dense bf16) of a run's metrics.jsonl
   python3 - "$1" <<'EOF'
@@ -28,12 +30,15 @@ for r in rows:
     print(f"step {r['step']}: {t} peak_alloc {r.get('memory/peak_allocated_gib', 0):.1f} GiB "
           f"reserved {r.get('memory/peak_reserved_gib', 0):.1f} GiB update {r['throughput/update_tokens_per_s']:.0f} tok/s "
           f"{r['throughput/update_tflops_per_device']:.1f} TFLOP/s (MFU {100 * r['throughput/update_tflops_per_device'] / 989:.1f}%) "
-          f"gen {r['throughput/gen_tokens_per_s']:.0f} tok/s gap {r.get('sampler/logp_gap')}")
+          f"gen {r['throughput/gen_tokens_per_s']:.0f} tok/s gap {r.get('sampler/logp_gap')} "
+          f"staleness {r.get('async/staleness_max', 0)}")
 EOF
 }
 
 a100_args() {  # the random Qwen2.5-1.5B-shaped model (built once into the cache) and the checklist's train.py flags
-  MODEL=$(python3 -c "import sys; sys.argv=['x']; sys.path.insert(0, 'benchmarks'); from gpu import model_dir; print(model_dir(28, 1536, 12, 2, 8960, 151936))")
+  # SHAPE: layers hidden heads kv_heads intermediate vocab (a tiny one dry-runs the parts on a CPU)
+  MODEL=$(python3 -c "import sys; sys.path.insert(0, 'benchmarks'); from gpu import model_dir
+print(model_dir(*map(int, sys.argv[1:])))" ${SHAPE:-28 1536 12 2 8960 151936})
   # shellcheck disable=SC2206  # TRAIN_EXTRA: more flags, split on spaces (a shorter run: --batch-size 64 ...)
   COMMON=(--preset a100 --sampler hf --model "$MODEL" --data "$DATA" --max-new-tokens 512 --samples-every 0 --final-eval 0
           ${TRAIN_EXTRA:-})
@@ -70,9 +75,24 @@ lora)
   timeout 120 python3 benchmarks/gpu.py --steps 4 2>&1 | tail -6
   ;;
 compile)  # the default measured: padded and packed on a spread of lengths, by token budgets, eager and compiled
-  timeout 560 python3 benchmarks/gpu_profile.py --lengths 100,1000 --profile packed --profile-seqs 16 --sizes "" \
-    --budgets 8192,16384,32768 --passes padded,packed --compile false,true --reps 1 --json "$OUT/compile.json" 2>&1 \
+  # 128 sequences (16 prompts x 8 completions of 100-1,000 tokens, about 73k real tokens): two 64k micro-batches
+  timeout "${COMPILE_TIMEOUT:-560}" python3 benchmarks/gpu_profile.py --lengths 100,1000 --profile packed \
+    --profile-seqs 16 --sizes "" --budgets 16384,65536 --sweep-seqs 128 --passes padded,packed --compile false,true \
+    --reps 1 --json "$OUT/compile.json" 2>&1 \
     | tee "$OUT/compile.log" | grep -v Warning | grep -E "GPU idle|by kind|tokens \(|compiled|eager layers|host waits"
   ;;
-*) echo "usage: bash benchmarks/gpu_checklist.sh tests|train|lora|compile" >&2; exit 2 ;;
+async)  # colocated asynchronous rollouts on one GPU: the same run at each K in ASYNC_STEPS, run dirs in /tmp
+  a100_args
+  for K in ${ASYNC_STEPS:-0 1}; do
+    RUN=/tmp/gpu-checklist-async-k$K
+    rm -rf "$RUN"
+    timeout "${ASYNC_TIMEOUT:-300}" python3 train.py "${COMMON[@]}" --max-steps 4 --save-every 0 --async-steps "$K" \
+      --output-dir "$RUN" 2>&1 | grep -E "^(compute|error|minigdpo)|Traceback|Error" | head -5
+    echo "--async-steps $K:"
+    summary "$RUN"
+    cp "$RUN/metrics.jsonl" "$OUT/async_k${K}_metrics.jsonl"
+    rm -rf "$RUN"
+  done
+  ;;
+*) echo "usage: bash benchmarks/gpu_checklist.sh tests|train|lora|compile|async" >&2; exit 2 ;;
 esac

@@ -181,7 +181,8 @@ class Config:
     models the fast pass accepts (Llama, Mistral, Qwen2/3, Phi-3, OLMo-2, sliding windows included; others run their
     own forward: docs/performance.md, "Which models"). throughput/padding_frac shows the padding left."""
     compile: str = "auto"
-    """Compile each decoder layer (torch.compile, dynamic shapes): true, false, or auto (on with CUDA, off on CPU)."""
+    """Compile each decoder layer (torch.compile, dynamic shapes): true, false, or auto: eager, as measured so far (a
+    CPU: slower compiled; an H200: the first compiled update outlasted the benchmark; docs/performance.md)."""
     ref_offload: bool = False
     """Keep the frozen reference model's shards in CPU memory."""
     sharding: str = "auto"
