@@ -76,7 +76,7 @@ lora)
   ;;
 compile)  # the default measured: padded and packed on a spread of lengths, by token budgets, eager and compiled
   # 128 sequences (16 prompts x 8 completions of 100-1,000 tokens, about 73k real tokens): two 64k micro-batches.
-  # COMPILE=true gives the compiled layers a call of their own: their first update outlasted 200 s on an H200.
+  # COMPILE=true gives the compiled layers a call of their own (on an H200 their first update outlasted a shared one).
   timeout "${COMPILE_TIMEOUT:-560}" python3 benchmarks/gpu_profile.py --lengths 100,1000 --profile packed \
     --profile-seqs 16 --sizes "" --budgets 16384,65536 --sweep-seqs 128 --passes padded,packed \
     --compile "${COMPILE:-false,true}" \
