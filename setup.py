@@ -33,7 +33,7 @@ setup(
         "lora": ["peft>=0.21"],  # --lora-rank (minigdpo/lora.py, written against peft 0.21.2)
         # trl: tests/test_trl_oracle.py runs TRL's own GRPOTrainer as the oracle of one update (never imported by
         # the package); pinned, since the test is written against that release's defaults and hooks.
-        "test": ["pytest", "hypothesis", "matplotlib", "peft>=0.21", "trl==1.16.0"],
+        "test": ["pytest", "pytest-xdist", "hypothesis", "matplotlib", "peft>=0.21", "trl==1.16.0"],
         "plot": ["matplotlib"],
         "demo": ["gguf", "accelerate"],  # loads the offline demo model from its GGUF file
         "wandb": ["wandb"],

@@ -139,7 +139,7 @@ def test_the_readme_stays_short_and_opens_with_its_two_commands():
     readme = open(os.path.join(ROOT, "README.md")).read()
     assert len(readme.splitlines()) <= 300
     first = readme.split("```bash\n", 1)[1].split("```", 1)[0].splitlines()
-    assert first[1].endswith("python train.py --preset cpu-demo") and first[4].endswith("python -m pytest -q tests")
+    assert first[1].endswith("python train.py --preset cpu-demo") and first[4].endswith("python -m pytest -q -n 2 tests")
 
 
 def test_the_minimum_reading_counts_its_lines():
