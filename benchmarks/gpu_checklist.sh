@@ -77,7 +77,10 @@ lora)
 compile)  # the default measured: padded and packed on a spread of lengths, by token budgets, eager and compiled
   # 128 sequences (16 prompts x 8 completions of 100-1,000 tokens, about 73k real tokens): two 64k micro-batches.
   # COMPILE=true gives the compiled layers a call of their own (on an H200 their first update outlasted a shared one).
-  timeout "${COMPILE_TIMEOUT:-560}" python3 benchmarks/gpu_profile.py --lengths 100,1000 --profile packed \
+  # compile.log keeps dynamo's recompilation lines, with their times (on a CPU the layers' forward compiled twice in
+  # one update, with 2 layers as with 4).
+  TORCH_LOGS=${TORCH_LOGS:-recompiles} timeout "${COMPILE_TIMEOUT:-560}" python3 benchmarks/gpu_profile.py \
+    --lengths 100,1000 --profile packed \
     --profile-seqs 16 --sizes "" --budgets 16384,65536 --sweep-seqs 128 --passes padded,packed \
     --compile "${COMPILE:-false,true}" \
     --reps 1 --json "$OUT/compile.json" 2>&1 \
