@@ -50,6 +50,8 @@ import time
 
 import torch
 
+from minigdpo import dist
+
 _MODELS = {}  # path -> RewardModel: one copy of the weights per process, however many specs name it
 _LOADED = {}  # spec -> ModelReward
 
@@ -147,8 +149,6 @@ class RewardModel:
         """Load the weights where --reward-model-placement says (the module docstring), once. Without a device
         (eval.py's scorer, on first use): this rank's accelerator if there is one, in bf16, else the CPU in fp32.
         shard_build(path, config, device, dtype) builds the sharded model (train.py passes policy.build_classifier)."""
-        from minigdpo import dist
-
         if self.model is not None:
             return
         if device is None:
@@ -234,8 +234,6 @@ class RewardModel:
         except Exception as e:
             failure = f"{type(e).__name__}: {e}"
         if self.placement == "shard":  # agreed before any rank enters FSDP's all-gathers, or the others would wait
-            from minigdpo import dist
-
             failure = next((f"rank {r}: {f}" for r, f in enumerate(dist.all_gather_object(failure)) if f), None)
         if failure:
             raise RewardModelError(f"reward model {self.spec!r} could not score a batch ({failure})")
