@@ -80,7 +80,12 @@ def test_auto_leaves_the_layers_eager_on_a_gpu_too(monkeypatch, tmp_path):
         raise Built
 
     real_init = dist.init
-    monkeypatch.setattr(dist, "init", lambda *a, **k: (real_init(*a, **k), torch.device("cuda"))[1])
+
+    def init_calling_itself_cuda(*args, **kwargs):  # the process group is the CPU's; the device train.py sees is not
+        real_init(*args, **kwargs)
+        return torch.device("cuda")
+
+    monkeypatch.setattr(dist, "init", init_calling_itself_cuda)
     monkeypatch.setattr(policy, "build", build)
     with pytest.raises(Built):
         train.run_training(["--preset", "smoke", "--output-dir", str(tmp_path), "--no-final-eval"])
