@@ -142,28 +142,32 @@ def run_training(argv=None):
 
     def sample(step, version):
         """Steps 1-3 of `step`: its prompts, G completions each, their rewards (minigdpo/rollout.py), each rank its
-        share, on the main thread; with --async-steps K while the trainer trains up to K steps behind (pipeline.py).
-        `version`: the updates the sampler's weights have had."""
+        share; with --async-steps K while the trainer trains up to K steps behind (pipeline.py). `version`: the
+        updates the sampler's weights have had. Returns (score, cursor): score() runs step 3 on the main thread, where
+        the pipeline may have the next step generate meanwhile in another (pipeline.py)."""
         nonlocal cursor
         seconds = {}
-        scorer.trainer_state = rollout.trainer_state(version + 1, cursor, cfg, sizes, len(task.examples))
+        state = rollout.trainer_state(version + 1, cursor, cfg, sizes, len(task.examples))
         if cfg.dynamic_sampling:  # rounds of fresh prompts until B groups can be learned from
+            scorer.trainer_state = state
             batch, cursor = dynamic_sampling.sample(step, cursor, order, task, tokenizer, sampler, scorer, cfg, sizes,
                                                     names, conditions, weights, seconds, agent)
-        else:  # one round; a synchronous colocated sampler sleeps before scoring: an update and a weight sync follow
-            examples, seed = rollout.step_prompts(step, cursor, order, task, cfg, sizes)
-            batch = rollout.rollout(examples, seed, tokenizer, sampler, scorer, cfg, seconds,
-                                    sleep=not (cfg.async_steps or cfg.sampler_ranks), agent=agent)
-            cursor += sizes.prompts_per_step
-        batch.seconds = seconds
-        return batch, cursor
+            batch.seconds = seconds
+            return (lambda: batch), cursor
+        # One round; a synchronous colocated sampler sleeps before scoring: an update and a weight sync follow.
+        examples, seed = rollout.step_prompts(step, cursor, order, task, cfg, sizes)
+        score = rollout.rollout(examples, seed, tokenizer, sampler, scorer, cfg, seconds,
+                                sleep=not (cfg.async_steps or cfg.sampler_ranks), agent=agent, state=state)
+        cursor += sizes.prompts_per_step
+        return score, cursor
 
     if cfg.sampler_ranks:  # the trainers tell the sampling ranks where the run starts and send them its weights
         pipe, start, cursor = split.pipeline(
             cfg.async_steps, start, cursor, pending, sizes.total_steps, sample, sampler,
             lambda: model.whole_weights(dtype, main_only=True, adapters_only=sampler.adapters_only))
     else:
-        pipe = pipeline.Pipeline(cfg.async_steps, start, sizes.total_steps, sample, sampler.load_weights, pending)
+        pipe = pipeline.Pipeline(cfg.async_steps, start, sizes.total_steps, sample, sampler.load_weights, pending,
+                                 overlap=agent is None and not cfg.dynamic_sampling)
 
     def train():
         """Steps 4-8 of every step, in order (with --async-steps, in a thread of its own: pipeline.py)."""

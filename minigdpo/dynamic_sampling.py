@@ -32,7 +32,7 @@ def sample(step, cursor, order, task, tokenizer, sampler, scorer, cfg, sizes, na
     for n in range(cfg.max_sample_rounds):
         examples, seed = step_prompts(step, cursor, order, task, cfg, sizes, n)
         cursor += B
-        rounds.append(rollout(examples, seed, tokenizer, sampler, scorer, cfg, seconds, agent=agent))
+        rounds.append(rollout(examples, seed, tokenizer, sampler, scorer, cfg, seconds, agent=agent)())
         keep = informative(rounds[-1].rewards, names, conditions, weights, cfg)      # (B,)
         found += [(n, g) for g in range(B) if keep[g]]
         if len(found) >= B:

@@ -4,7 +4,9 @@
 Two threads on every rank. The main thread samples (train.py's steps 1-3), so a reward's or a tool's time limit
 (SIGALRM, main thread only) and a tool's thread-bound objects work as in a synchronous run; the trainer (steps 4-8)
 runs in a thread of its own and takes the batches in order, each exactly once. With K = 0 one thread does both, in
-turn: two would each keep a pool of compute threads, whose idle spinning slows the other on a CPU.
+turn: two would each keep a pool of compute threads, whose idle spinning slows the other on a CPU. With `overlap`
+(no tools and no dynamic sampling: generation then calls no reward or tool) a third thread generates step s + 1
+while the main thread scores step s, so a reward that waits (a judge behind an API) overlaps generation too.
 
 Keyed by step: step s is sampled by the weights of update max(first, s - 1 - K) (first: where the run started) and
 by the step's own seed, never by thread timing. The sampler waits for those weights (time/wait_trainer), the trainer
@@ -16,6 +18,7 @@ set of weights. A checkpoint at step t holds each rank's batches sampled for ste
 
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 
 class Stopped(RuntimeError):
@@ -25,11 +28,12 @@ class Stopped(RuntimeError):
 class Pipeline:
     """The batches between the sampler (the main thread) and the trainer (run's thread); see the module docstring.
 
-    sample(step, version) -> (batch, cursor): steps 1-3 of `step` (version: the updates its weights had), on the
-    main thread. load(weights): put a published set of weights (a list of (name, tensor)) into the sampler."""
+    sample(step, version) -> (score, cursor): steps 1-2 of `step` (version: the updates its weights had), and
+    score() -> the batch: step 3, on the main thread. load(weights): put a published set of weights (a list of (name,
+    tensor)) into the sampler. overlap: see the module docstring (with K >= 1 only)."""
 
-    def __init__(self, K, first, last, sample, load, pending=()):
-        self.K, self.first, self.last = K, first, last
+    def __init__(self, K, first, last, sample, load, pending=(), overlap=False):
+        self.K, self.first, self.last, self.overlap = K, first, last, overlap and K > 0
         self.sample, self.load = sample, load
         self.ready = {}  # step -> (batch, cursor, version, seconds the sampler waited for the trainer)
         for i, (batch, cursor, version) in enumerate(pending):  # a checkpoint's batches for the steps after it
@@ -52,7 +56,7 @@ class Pipeline:
         K = 0 the step is sampled here and now, on the one thread that runs both sides."""
         t0 = time.perf_counter()
         if self.K == 0 and step not in self.ready:
-            self._sample(step)
+            self._score(step, *self._generate(step))
         with self.cond:
             self._wait(lambda: step in self.ready)
             batch, cursor, version, waited = self.ready.pop(step)
@@ -101,23 +105,31 @@ class Pipeline:
             return
         trainer = threading.Thread(target=self._guard, args=(train,), name="minigdpo-trainer", daemon=True)
         trainer.start()
-        try:
-            for step in range(self.unsampled, self.last + 1):
-                self._sample(step)
-        except BaseException as e:  # a Ctrl-C too: the trainer stops at its next wait
-            self._fail(e)
+        with ThreadPoolExecutor(1, thread_name_prefix="minigdpo-generate") as pool:  # the overlap's
+            try:
+                ahead, steps = None, range(self.unsampled, self.last + 1)
+                for step in steps:
+                    generated = ahead.result() if ahead else self._generate(step)
+                    ahead = pool.submit(self._generate, step + 1) if self.overlap and step + 1 in steps else None
+                    self._score(step, *generated)
+            except BaseException as e:  # a Ctrl-C too: the trainer stops at its next wait, generation at its next
+                self._fail(e)
         trainer.join(timeout=None if self.error is None else 60)  # a trainer deep in an update is not waited for long
         if self.error is not None:
             raise self.error
         self._bring(self.version)
 
-    def _sample(self, step):
-        """Steps 1-3 of `step`, once the weights its step names are in the sampler."""
+    def _generate(self, step):
+        """Steps 1-2 of `step`, once the weights its step names are in the sampler: (score, cursor, version, wait)."""
         t0 = time.perf_counter()
         version = self.version_for(step)
         self._bring(version)
         waited = time.perf_counter() - t0
-        batch, cursor = self.sample(step, version)
+        return *self.sample(step, version), version, waited
+
+    def _score(self, step, score, cursor, version, waited):
+        """Step 3 of `step`, on the main thread; then its batch is the trainer's."""
+        batch = score()
         with self.cond:
             self.ready[step] = (batch, cursor, version, waited)
             self.cond.notify_all()

@@ -71,11 +71,12 @@ def step_prompts(step, cursor, order, task, cfg, sizes, round_=0):
     return examples, cfg.seed * 1_000_003 + step * 1_009 + rank + round_ * 1_000_000_007
 
 
-def rollout(examples, seed, tokenizer, sampler, scorer, cfg, seconds, sleep=False, agent=None):
+def rollout(examples, seed, tokenizer, sampler, scorer, cfg, seconds, sleep=False, agent=None, state=None):
     """Steps 1-3 once: this rank's `examples` as prompts, G completions each drawn from `seed`, their rewards; with an
     agent (minigdpo/tools.py), G rollouts of its tool loop each. sleep=True puts the sampler to sleep before scoring,
     so that a reward model's memory does not come on top of vLLM's: only when an update (and so a weight sync) is
-    sure to follow."""
+    sure to follow. Returns score(): step 3, the Rollout; the caller may run it later, on another thread than the
+    sampling's, with `state` the trainer_state its rewards get (None: the scorer's as it is)."""
     G = cfg.group_size
     params = SamplingParams(cfg.temperature, cfg.top_p, cfg.max_new_tokens, seed=seed, ignore_eos=cfg.ignore_eos)
     counts = {}
@@ -91,15 +92,22 @@ def rollout(examples, seed, tokenizer, sampler, scorer, cfg, seconds, sleep=Fals
     rows = [ex for ex in examples for _ in range(G)]
     if agent is not None:  # the prompt as the model saw it: what an environment's reset appended included (TRL)
         rows = [{**ex, "messages": messages} for ex, messages in zip(rows, agent.prompts)]
-    with timed(seconds, "reward"):
-        scores, failures = scorer.score(flat, rows, agent and agent.environments)
-    for i, c in enumerate(flat):  # log_extra's values travel with their completion (dynamic sampling moves groups)
-        c.extra = {column: values[i] for column, values in scorer.extra.items() if i < len(values)}
-    rewards = dist.all_gather(scores).view(-1, G, scores.shape[1]).double()          # (B, G, R)
-    lengths = dist.all_gather(torch.tensor([float(c.written) for c in flat])).view(-1, G)  # (B, G) model tokens
-    truncated = dist.all_gather(torch.tensor([float(c.finish_reason == "length") for c in flat]))  # (B * G,)
-    gathered = dist.all_gather_object((failures, counts))  # with the tool loop's counts (Agent.rollouts)
-    failures = [RewardScorer.merge([f]) for f, _ in gathered]
-    RewardScorer.check(RewardScorer.merge(failures))  # a reward that broke its contract on any rank: every rank stops
-    return Rollout(prompts, groups, rewards, lengths, rewards.cpu(), lengths, truncated, failures,
-                   tools=add_counts(c for _, c in gathered))
+
+    def score():
+        """Step 3: the completions' rewards, every rank's gathered."""
+        if state is not None:
+            scorer.trainer_state = state
+        with timed(seconds, "reward"):
+            scores, failures = scorer.score(flat, rows, agent and agent.environments)
+        for i, c in enumerate(flat):  # log_extra's values travel with their completion (dynamic sampling moves groups)
+            c.extra = {column: values[i] for column, values in scorer.extra.items() if i < len(values)}
+        rewards = dist.all_gather(scores).view(-1, G, scores.shape[1]).double()          # (B, G, R)
+        lengths = dist.all_gather(torch.tensor([float(c.written) for c in flat])).view(-1, G)  # (B, G) model tokens
+        truncated = dist.all_gather(torch.tensor([float(c.finish_reason == "length") for c in flat]))  # (B * G,)
+        gathered = dist.all_gather_object((failures, counts))  # with the tool loop's counts (Agent.rollouts)
+        failures = [RewardScorer.merge([f]) for f, _ in gathered]
+        RewardScorer.check(RewardScorer.merge(failures))  # a reward that broke its contract on a rank: every rank stops
+        return Rollout(prompts, groups, rewards, lengths, rewards.cpu(), lengths, truncated, failures,
+                       tools=add_counts(c for _, c in gathered), seconds=seconds)
+
+    return score

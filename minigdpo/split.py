@@ -117,8 +117,9 @@ class Trainers:
 
 
 class Samplers:
-    """train.py's pipeline on a sampling rank: run() samples every step (sample(step, version) -> (batch, cursor)) and
-    sends it to the trainers, loading each update's weights (load) before the step that needs it."""
+    """train.py's pipeline on a sampling rank: run() samples every step (sample(step, version) -> (score, cursor);
+    score() -> batch) and sends it to the trainers, loading each update's weights (load) before the step that needs
+    it. Generation and scoring take turns here: no overlap as in pipeline.Pipeline."""
 
     def __init__(self, K, first, unsampled, last, sample, load):
         self.K, self.first, self.unsampled, self.last, self.sample, self.load = K, first, unsampled, last, sample, load
@@ -136,8 +137,8 @@ class Samplers:
             version = max(self.first, step - 1 - self.K)
             self._bring(version)
             waited = time.perf_counter() - t0
-            batch, cursor = self.sample(step, version)
-            self._send(batch, (cursor, version, waited))
+            score, cursor = self.sample(step, version)
+            self._send(score(), (cursor, version, waited))
         self._bring(self.last)
         _talk(dist.announce, None, 0)  # the trainers come once they have trained every batch: all were sent
 

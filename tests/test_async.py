@@ -30,18 +30,19 @@ sys.path.insert(0, os.path.join(ROOT, "examples"))
 
 # The pipeline's rules -------------------------------------------------------------------------------------------
 
-@settings(max_examples=30, deadline=None)
+@settings(max_examples=40, deadline=None)
 @given(K=st.integers(0, 3), first=st.integers(0, 3), steps=st.integers(1, 7), seed=st.integers(0, 10**6),
-       pending=st.integers(0, 3), skipped=st.sets(st.integers(1, 10), max_size=3))
+       pending=st.integers(0, 3), skipped=st.sets(st.integers(1, 10), max_size=3), overlap=st.booleans())
 def test_every_step_is_trained_once_in_order_by_weights_at_most_k_updates_old(K, first, steps, seed, pending,
-                                                                               skipped):
+                                                                               skipped, overlap):
     """A sampler and a trainer that take random times, the sampler once very slow (a slow group still trains),
-    updates that skip themselves, and a resumed start with batches already sampled: every step is trained once, in
-    order, by the batch sampled for it, sampled by exactly the weights its step names (never newer, at most K
-    updates old), and the sampler ends holding the last weights."""
+    updates that skip themselves, a resumed start with batches already sampled, and generation overlapping the
+    scoring or not: every step is trained once, in order, by the batch sampled for it, sampled by exactly the weights
+    its step names (never newer, at most K updates old), scored on the main thread after its generation, and the
+    sampler ends holding the last weights."""
     rng, last, lock = random.Random(seed), first + steps, threading.Lock()
     pending = min(pending, K, steps)
-    held, trained, sampled = [first], [], {}  # held: the version of the weights the sampler holds
+    held, trained, sampled, scored = [first], [], {}, []  # held: the version of the weights the sampler holds
 
     def sample(step, version):
         weights_of = max([first] + [v for v in range(first + 1, version + 1) if v not in skipped])  # a skip keeps them
@@ -49,14 +50,20 @@ def test_every_step_is_trained_once_in_order_by_weights_at_most_k_updates_old(K,
             assert held[-1] == weights_of, (step, held[-1], version)  # loaded before the step, and not newer
         time.sleep(rng.random() * (0.01 if step != first + 2 else 0.1))
         sampled[step] = version
-        return f"batch {step}", step * 10
+
+        def score():
+            assert threading.current_thread() is threading.main_thread() and step in sampled
+            time.sleep(rng.random() * 0.01)
+            scored.append(step)
+            return f"batch {step}"
+        return score, step * 10
 
     def load(weights):
         with lock:
             held.append(int(weights[0][1]))
 
     pipe = Pipeline(K, first, last, sample, load, [(f"batch {first + 1 + i}", (first + 1 + i) * 10,
-                                                    max(first, first - K + i)) for i in range(pending)])
+                                                    max(first, first - K + i)) for i in range(pending)], overlap)
 
     def train():
         for step in range(first + 1, last + 1):
@@ -73,6 +80,7 @@ def test_every_step_is_trained_once_in_order_by_weights_at_most_k_updates_old(K,
     pipe.run(train)
     assert trained == list(range(first + 1, last + 1))
     assert sampled == {s: max(first, s - 1 - K) for s in range(first + 1 + pending, last + 1)}
+    assert scored == list(range(first + 1 + pending, last + 1))
     published = [s for s in range(first + 1, last + 1) if s not in skipped]
     assert held[-1] == (published[-1] if published else first)  # the last weights, for the final evaluation
 
@@ -89,9 +97,34 @@ def test_an_error_on_either_side_stops_both():
         pipe.batch(1)
         raise RuntimeError("out of memory")
 
-    pipe = Pipeline(2, 0, 50, lambda step, version: (step, step), lambda w: None)
+    pipe = Pipeline(2, 0, 50, lambda step, version: (lambda: step, step), lambda w: None, overlap=True)
     with pytest.raises(RuntimeError, match="out of memory"):
         pipe.run(failing_train)
+
+
+def test_with_overlap_the_next_step_generates_while_this_one_is_scored():
+    """Each step's scoring waits until the next step's generation has begun: it can end only where the two overlap
+    (without overlap it would wait out its timeout); a reward that fails while the next step generates stops both."""
+    generating = {s: threading.Event() for s in range(1, 6)}
+
+    def sample(step, version):
+        generating[step].set()
+
+        def score():
+            assert step == 5 or generating[step + 1].wait(timeout=30), f"step {step + 1} did not generate meanwhile"
+            return step
+        return score, step
+
+    pipe = Pipeline(2, 0, 5, sample, lambda w: None, overlap=True)
+    pipe.run(lambda: [pipe.step_done(s) for s in range(1, 6) if pipe.batch(s)[0] == s])
+    assert all(e.is_set() for e in generating.values())
+
+    def failing(step, version):
+        return (lambda: 1 / 0) if step == 2 else (lambda: step), step
+
+    pipe = Pipeline(1, 0, 5, failing, lambda w: None, overlap=True)
+    with pytest.raises(ZeroDivisionError):
+        pipe.run(lambda: [pipe.step_done(s) for s in range(1, 6) if pipe.batch(s)])
 
 
 # train.py ---------------------------------------------------------------------------------------------------------
