@@ -189,7 +189,6 @@ def evaluate(sampler, tokenizer, label, args, examples, specs, out_file):
     return summary, prompt_stats(*figures)
 
 
-
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     run = "a checkpoint's run setting, else"  # help text of the settings a checkpoint can supply

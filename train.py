@@ -143,18 +143,14 @@ def run_training(argv=None):
     def sample(step, version):
         """Steps 1-3 of `step`: its prompts, G completions each, their rewards (minigdpo/rollout.py), each rank its
         share; with --async-steps K while the trainer trains up to K steps behind (pipeline.py). `version`: the
-        updates the sampler's weights have had. Returns (score, cursor): score() runs step 3 on the main thread, where
-        the pipeline may have the next step generate meanwhile in another (pipeline.py)."""
+        updates the sampler's weights have had. Returns (score, cursor): score() is step 3, run on the main thread."""
         nonlocal cursor
         seconds = {}
         state = rollout.trainer_state(version + 1, cursor, cfg, sizes, len(task.examples))
         if cfg.dynamic_sampling:  # rounds of fresh prompts until B groups can be learned from
-            scorer.trainer_state = state
             batch, cursor = dynamic_sampling.sample(step, cursor, order, task, tokenizer, sampler, scorer, cfg, sizes,
-                                                    names, conditions, weights, seconds, agent)
-            batch.seconds = seconds
+                                                    names, conditions, weights, seconds, agent, state)
             return (lambda: batch), cursor
-        # One round; a synchronous colocated sampler sleeps before scoring: an update and a weight sync follow.
         examples, seed = rollout.step_prompts(step, cursor, order, task, cfg, sizes)
         score = rollout.rollout(examples, seed, tokenizer, sampler, scorer, cfg, seconds,
                                 sleep=not (cfg.async_steps or cfg.sampler_ranks), agent=agent, state=state)

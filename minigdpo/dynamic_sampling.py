@@ -25,14 +25,14 @@ def informative(rewards, names, conditions, weights, cfg):
 
 
 def sample(step, cursor, order, task, tokenizer, sampler, scorer, cfg, sizes, names, conditions, weights, seconds,
-           agent=None):
-    """Steps 1-3 with rounds of fresh prompts; returns (Rollout, cursor). Its stats: sampling/..."""
+           agent=None, state=None):
+    """Steps 1-3 in rounds of fresh prompts (`state`: the rewards' trainer_state); (Rollout, cursor), sampling/..."""
     B, world, rank, per_rank = sizes.prompts_per_step, dist.world_size(), dist.rank(), sizes.prompts_per_rank
     rounds, found = [], []                                            # found: (round, group) pairs, in order
     for n in range(cfg.max_sample_rounds):
         examples, seed = step_prompts(step, cursor, order, task, cfg, sizes, n)
         cursor += B
-        rounds.append(rollout(examples, seed, tokenizer, sampler, scorer, cfg, seconds, agent=agent)())
+        rounds.append(rollout(examples, seed, tokenizer, sampler, scorer, cfg, seconds, agent=agent, state=state)())
         keep = informative(rounds[-1].rewards, names, conditions, weights, cfg)      # (B,)
         found += [(n, g) for g in range(B) if keep[g]]
         if len(found) >= B:
@@ -57,4 +57,4 @@ def sample(step, cursor, order, task, tokenizer, sampler, scorer, cfg, sizes, na
     return Rollout([p for p, _ in mine], [c for _, c in mine], pick("rewards"), pick("lengths"),
                    torch.cat([r.rewards for r in rounds]).cpu(), torch.cat([r.lengths for r in rounds]),
                    torch.cat([r.truncated for r in rounds]), failures, stats,
-                   add_counts(r.tools for r in rounds)), cursor
+                   add_counts(r.tools for r in rounds), seconds), cursor

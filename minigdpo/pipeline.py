@@ -5,8 +5,7 @@ Two threads on every rank. The main thread samples (train.py's steps 1-3), so a 
 (SIGALRM, main thread only) and a tool's thread-bound objects work as in a synchronous run; the trainer (steps 4-8)
 runs in a thread of its own and takes the batches in order, each exactly once. With K = 0 one thread does both, in
 turn: two would each keep a pool of compute threads, whose idle spinning slows the other on a CPU. With `overlap`
-(no tools and no dynamic sampling: generation then calls no reward or tool) a third thread generates step s + 1
-while the main thread scores step s, so a reward that waits (a judge behind an API) overlaps generation too.
+(no tools, no dynamic sampling) a third thread generates step s + 1 while the main thread scores step s.
 
 Keyed by step: step s is sampled by the weights of update max(first, s - 1 - K) (first: where the run started) and
 by the step's own seed, never by thread timing. The sampler waits for those weights (time/wait_trainer), the trainer
@@ -44,10 +43,6 @@ class Pipeline:
         self.snapshots = {}         # version -> weights published for the sampler (None: the update was skipped)
         self.error = None
         self.cond = threading.Condition()
-
-    def version_for(self, step):
-        """The updates whose weights sample `step`."""
-        return max(self.first, step - 1 - self.K)
 
     # The trainer's side ------------------------------------------------------------------------------------------
 
@@ -122,7 +117,7 @@ class Pipeline:
     def _generate(self, step):
         """Steps 1-2 of `step`, once the weights its step names are in the sampler: (score, cursor, version, wait)."""
         t0 = time.perf_counter()
-        version = self.version_for(step)
+        version = max(self.first, step - 1 - self.K)  # the updates whose weights sample `step`
         self._bring(version)
         waited = time.perf_counter() - t0
         return *self.sample(step, version), version, waited

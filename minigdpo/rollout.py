@@ -72,11 +72,10 @@ def step_prompts(step, cursor, order, task, cfg, sizes, round_=0):
 
 
 def rollout(examples, seed, tokenizer, sampler, scorer, cfg, seconds, sleep=False, agent=None, state=None):
-    """Steps 1-3 once: this rank's `examples` as prompts, G completions each drawn from `seed`, their rewards; with an
-    agent (minigdpo/tools.py), G rollouts of its tool loop each. sleep=True puts the sampler to sleep before scoring,
-    so that a reward model's memory does not come on top of vLLM's: only when an update (and so a weight sync) is
-    sure to follow. Returns score(): step 3, the Rollout; the caller may run it later, on another thread than the
-    sampling's, with `state` the trainer_state its rewards get (None: the scorer's as it is)."""
+    """Steps 1-3 once: this rank's `examples` as prompts, G completions each drawn from `seed`; with an agent
+    (minigdpo/tools.py), G rollouts of its tool loop each. Returns score(): step 3, their rewards in a Rollout
+    (`state`: their trainer_state). sleep=True puts the sampler to sleep before scoring, so that a reward model's
+    memory does not come on top of vLLM's: only when an update (and so a weight sync) is sure to follow."""
     G = cfg.group_size
     params = SamplingParams(cfg.temperature, cfg.top_p, cfg.max_new_tokens, seed=seed, ignore_eos=cfg.ignore_eos)
     counts = {}
@@ -95,8 +94,7 @@ def rollout(examples, seed, tokenizer, sampler, scorer, cfg, seconds, sleep=Fals
 
     def score():
         """Step 3: the completions' rewards, every rank's gathered."""
-        if state is not None:
-            scorer.trainer_state = state
+        scorer.trainer_state = state
         with timed(seconds, "reward"):
             scores, failures = scorer.score(flat, rows, agent and agent.environments)
         for i, c in enumerate(flat):  # log_extra's values travel with their completion (dynamic sampling moves groups)
@@ -109,5 +107,4 @@ def rollout(examples, seed, tokenizer, sampler, scorer, cfg, seconds, sleep=Fals
         RewardScorer.check(RewardScorer.merge(failures))  # a reward that broke its contract on a rank: every rank stops
         return Rollout(prompts, groups, rewards, lengths, rewards.cpu(), lengths, truncated, failures,
                        tools=add_counts(c for _, c in gathered), seconds=seconds)
-
     return score

@@ -118,8 +118,8 @@ class Trainers:
 
 class Samplers:
     """train.py's pipeline on a sampling rank: run() samples every step (sample(step, version) -> (score, cursor);
-    score() -> batch) and sends it to the trainers, loading each update's weights (load) before the step that needs
-    it. Generation and scoring take turns here: no overlap as in pipeline.Pipeline."""
+    score() -> batch, in turn) and sends it to the trainers, loading each update's weights (load) before the step that
+    needs it."""
 
     def __init__(self, K, first, unsampled, last, sample, load):
         self.K, self.first, self.unsampled, self.last, self.sample, self.load = K, first, unsampled, last, sample, load

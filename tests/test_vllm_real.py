@@ -212,6 +212,19 @@ def test_train_samples_with_the_real_engine_and_exits_cleanly(path, tmp_path):
 
 
 @pytest.mark.slow
+def test_async_generation_on_the_pipelines_own_thread_beside_scoring_and_the_update(path, tmp_path):
+    """--async-steps 1 with no tools: the engine generates each step after the first on the pipeline's generation
+    thread, while the main thread scores the step before and the trainer updates. Step 1 is sampled and trained by
+    the starting weights, so its gap is rounding; later steps are one update stale."""
+    out = str(tmp_path / "run")
+    proc = run(train_args(path, out, "--max-steps", "3", "--save-every", "0", "--async-steps", "1"))
+    rows = read_jsonl(os.path.join(out, "metrics.jsonl"))
+    assert [r["step"] for r in rows] == [1, 2, 3] and [r["async/staleness_max"] for r in rows] == [0, 1, 1]
+    assert rows[0]["sampler/logp_gap"] < FP32_GAP and rows[-1]["kl"] > 0
+    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+
+
+@pytest.mark.slow
 def test_a_step_with_nothing_to_learn_keeps_the_engine_on_the_trainers_weights(path, tmp_path):
     """Dynamic sampling finds nothing at step 1 and skips its update: the next steps sample from the trainer's
     weights, so the engine's log-probs still equal the trainer's on every step that updates."""
