@@ -155,6 +155,19 @@ def test_weights_that_never_change_sample_and_score_alike_at_k1_and_k0(tmp_path)
     assert all({"time/wait_sampler", "time/wait_trainer", "time/step"} <= set(r) for r in m1)
 
 
+def test_with_generation_overlapping_the_scoring_rewards_keep_their_limits_and_their_steps_state(tmp_path):
+    """K = 1 with no tools: each step after the first generates while the one before is scored. The rewards still run
+    on the main thread, so a hanging one is cut at its limit (SIGALRM), and a TRL-style reward gets the trainer_state
+    of the step it scores (the optimizer steps before that step's sampling: max(0, s - 2) at K = 1), not the state of
+    the step generating beside it."""
+    out = str(tmp_path / "run")
+    proc = run(["train.py", *COMMON, "--async-steps", "1", "--rewards", "tests.helpers:hangs,tests.trl_rewards:scheduled",
+                "--reward-timeout", "0.2", "--save-every", "0", "--output-dir", out])
+    rows = read_jsonl(os.path.join(out, "metrics.jsonl"))
+    assert [r["reward/scheduled/global_step"] for r in rows] == [0, 0, 1, 2]
+    assert rows[0]["reward/hangs/timeouts"] == 8 and proc.stderr.count("ran past its 0.2 s limit") == 1
+
+
 def test_the_step2_gradient_is_the_decoupled_objective_by_hand(tmp_path):
     """At K = 1 step 2 trains on a batch that the step-0 weights sampled: the loss is the clipped surrogate taken to
     the proximal policy (the weights before the update), times min(pi_prox / mu, C), mu the sampler's recorded
