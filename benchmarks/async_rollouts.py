@@ -16,12 +16,15 @@ own, start-up and checkpoint included. The table's ratio is each run's wall-cloc
 """
 
 import argparse
+import functools
 import json
 import os
 import subprocess
 import sys
 import tempfile
 import time
+
+from rewards import calculator  # the installed project's (pip install -e .)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 JUDGE_SECONDS = "MINIGDPO_BENCH_JUDGE_SECONDS"
@@ -35,23 +38,19 @@ def waiting_judge(completions, **kwargs):
     return [1.0] * len(completions)
 
 
-def slow_calculate(expression: str) -> str:
-    """Evaluate an arithmetic expression, after a wait (a sandbox's or a network's).
-
-    Args:
-        expression: The expression, for example "23*45".
-    """
-    from rewards.calculator import calculate
-
+# The calculator task's tool after a wait (a sandbox's or a network's), under the tool's own name, description and
+# schema: the cpu-agent model was warmed to call `calculate`, and a call to any other name fails at once, unwaited.
+@functools.wraps(calculator.calculate)
+def calculate(expression):
     time.sleep(float(os.environ.get(TOOL_SECONDS, "2")))
-    return calculate(expression)
+    return calculator.calculate(expression)
 
 
 PARTS = {
     "demo": lambda args: ["--preset", "cpu-demo", "--max-steps", str(args.demo_steps), "--no-final-eval",
                           "--rewards", "correct,integer,format,benchmarks.async_rollouts:waiting_judge"],
     "agent": lambda args: ["--preset", "cpu-agent", *(["--model", args.agent_model] if args.agent_model else []),
-                           "--tools", "benchmarks.async_rollouts:slow_calculate", "--max-steps", str(args.agent_steps),
+                           "--tools", "benchmarks.async_rollouts:calculate", "--max-steps", str(args.agent_steps),
                            "--no-final-eval", "--rewards", "solved,answer_tag,tool_economy"],
 }
 

@@ -95,3 +95,19 @@ def test_the_decode_kernel_benchmark_compares_with_sdpa():
     rows = [line.split() for line in out.splitlines()[1:]]
     assert [r[:2] for r in rows] == [["24", "float32"], ["24", "bfloat16"]]
     assert float(rows[0][-1]) < 1e-5  # fp32: SDPA's output to rounding
+
+
+def test_the_async_benchmarks_slow_tool_is_the_agent_presets_tool_after_a_wait(monkeypatch):
+    """The agent part's tool must be the one the cpu-agent model was warmed to call, by name, description and schema
+    (a call to another name fails at once and waits for nothing), and it must wait."""
+    import time
+
+    from benchmarks import async_rollouts
+    from minigdpo import tools
+    from rewards import calculator
+
+    slow = async_rollouts.calculate
+    assert tools.schema(slow, slow.__name__) == tools.schema(calculator.calculate, "calculate")
+    monkeypatch.setenv(async_rollouts.TOOL_SECONDS, "0.2")
+    t0 = time.perf_counter()
+    assert slow("23*45") == calculator.calculate("23*45") and time.perf_counter() - t0 >= 0.2
