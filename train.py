@@ -145,6 +145,8 @@ def run_training(argv=None):
         share; with --async-steps K while the trainer trains up to K steps behind (pipeline.py). `version`: the
         updates the sampler's weights have had. Returns (score, cursor): score() is step 3, run on the main thread."""
         nonlocal cursor
+        if device.type == "cuda":
+            torch.cuda.set_device(device)  # the calling thread's current device (the pipeline may generate on its own)
         seconds = {}
         state = rollout.trainer_state(version + 1, cursor, cfg, sizes, len(task.examples))
         if cfg.dynamic_sampling:  # rounds of fresh prompts until B groups can be learned from

@@ -61,16 +61,14 @@ class Pipeline:
         """Update `step` is done: its weights (a callable giving (name, tensor) pairs; None where the step skipped its
         update) go to the sampler: at once with K = 0, where it waits for them, as a synchronous run syncs; with
         K >= 1 as a copy it loads before the step that needs it (at most K + 1 copies wait)."""
-        copy = None
-        if weights is not None and self.K == 0:
-            self.load(weights())
-        elif weights is not None:
-            copy = [(name, t.detach().clone()) for name, t in weights()]
+        if self.K == 0:  # one thread does both sides: nothing to lock
+            if weights is not None:
+                self.load(weights())
+            self.loaded = step
+            return
+        copy = None if weights is None else [(name, t.detach().clone()) for name, t in weights()]
         with self.cond:
-            if self.K == 0:
-                self.loaded = step
-            else:
-                self.snapshots[step] = copy
+            self.snapshots[step] = copy
 
     def step_done(self, step):
         """The trainer's step is over, its last collective (metrics, checkpoint) included: the sampler may now sample
