@@ -3,19 +3,22 @@
 - demo: `python train.py --preset cpu-demo --max-steps 5 --no-final-eval`, its three rewards plus a TRL-style judge
   that waits --judge-seconds (10) per call, as an API judge does (one call per rank and step, TRL's batch call);
 - agent: the calculator task with a tool that waits --tool-seconds (2) per call before it answers, as a sandbox or a
-  network tool does, on the model --agent-model names (default: the cpu-agent preset's), --agent-steps steps.
+  network tool does, on the model --agent-model names (default: the cpu-agent preset's), --agent-steps steps; a sync
+  tool by default (its calls wait one after another), `--tool-kind async` for the same tool as `async def`.
 
 Each run is a fresh train.py process on this machine, one after the other; the wall-clock is the training command's
 own, start-up and checkpoint included. The table's ratio is each run's wall-clock over the K = 0 run's.
 `--placements colocated,split` adds the split placement: 2 ranks under torchrun, one training and one sampling
 (`--sampler-ranks 1`), one thread each (torchrun's default), against the same colocated K = 0 run.
 
-    python benchmarks/async_rollouts.py                           # both parts (about 25 minutes on 2 cores)
+    python benchmarks/async_rollouts.py                           # both parts (about 30 minutes on 2 cores)
     python benchmarks/async_rollouts.py --parts demo --json out.json
     python benchmarks/async_rollouts.py --parts demo --placements colocated,split
+    python benchmarks/async_rollouts.py --parts agent --tool-kind async
 """
 
 import argparse
+import asyncio
 import functools
 import json
 import os
@@ -46,11 +49,20 @@ def calculate(expression):
     return calculator.calculate(expression)
 
 
+# The same as an async tool (--tool-kind async): a round's calls wait side by side on the run's event loop.
+@functools.wraps(calculator.calculate)
+async def calculate_async(expression):
+    await asyncio.sleep(float(os.environ.get(TOOL_SECONDS, "2")))
+    return calculator.calculate(expression)
+
+
+TOOLS = {"sync": "calculate", "async": "calculate_async"}
 PARTS = {
     "demo": lambda args: ["--preset", "cpu-demo", "--max-steps", str(args.demo_steps), "--no-final-eval",
                           "--rewards", "correct,integer,format,benchmarks.async_rollouts:waiting_judge"],
     "agent": lambda args: ["--preset", "cpu-agent", *(["--model", args.agent_model] if args.agent_model else []),
-                           "--tools", "benchmarks.async_rollouts:calculate", "--max-steps", str(args.agent_steps),
+                           "--tools", f"benchmarks.async_rollouts:{TOOLS[args.tool_kind]}",
+                           "--max-steps", str(args.agent_steps),
                            "--no-final-eval", "--rewards", "solved,answer_tag,tool_economy"],
 }
 
@@ -79,6 +91,7 @@ def main():
     p.add_argument("--placements", default="colocated", help="colocated, split, or both (comma-separated)")
     p.add_argument("--judge-seconds", type=float, default=10.0)
     p.add_argument("--tool-seconds", type=float, default=2.0)
+    p.add_argument("--tool-kind", choices=sorted(TOOLS), default="sync", help="the agent part's tool: def or async def")
     p.add_argument("--demo-steps", type=int, default=5)
     p.add_argument("--agent-steps", type=int, default=5)
     p.add_argument("--agent-model", default="", help="the agent part's model (default: the cpu-agent preset's)")

@@ -100,14 +100,19 @@ def test_the_decode_kernel_benchmark_compares_with_sdpa():
 def test_the_async_benchmarks_slow_tool_is_the_agent_presets_tool_after_a_wait(monkeypatch):
     """The agent part's tool must be the one the cpu-agent model was warmed to call, by name, description and schema
     (a call to another name fails at once and waits for nothing), and it must wait."""
+    import asyncio
+    import inspect
     import time
 
     from benchmarks import async_rollouts
     from minigdpo import tools
     from rewards import calculator
 
-    slow = async_rollouts.calculate
-    assert tools.schema(slow, slow.__name__) == tools.schema(calculator.calculate, "calculate")
     monkeypatch.setenv(async_rollouts.TOOL_SECONDS, "0.2")
-    t0 = time.perf_counter()
-    assert slow("23*45") == calculator.calculate("23*45") and time.perf_counter() - t0 >= 0.2
+    for slow in (async_rollouts.calculate, async_rollouts.calculate_async):
+        assert slow.__name__ == "calculate"
+        assert tools.schema(slow, slow.__name__) == tools.schema(calculator.calculate, "calculate")
+        t0 = time.perf_counter()
+        result = slow("23*45")
+        result = asyncio.run(result) if inspect.iscoroutine(result) else result
+        assert result == calculator.calculate("23*45") and time.perf_counter() - t0 >= 0.2
