@@ -159,13 +159,14 @@ def run_training(argv=None):
         cursor += sizes.prompts_per_step
         return score, cursor
 
+    overlap = agent is None and not cfg.dynamic_sampling  # generation calls no tool or reward: beside the scoring
     if cfg.sampler_ranks:  # the trainers tell the sampling ranks where the run starts and send them its weights
         pipe, start, cursor = split.pipeline(
             cfg.async_steps, start, cursor, pending, sizes.total_steps, sample, sampler,
-            lambda: model.whole_weights(dtype, main_only=True, adapters_only=sampler.adapters_only))
+            lambda: model.whole_weights(dtype, main_only=True, adapters_only=sampler.adapters_only), overlap)
     else:
         pipe = pipeline.Pipeline(cfg.async_steps, start, sizes.total_steps, sample, sampler.load_weights, pending,
-                                 overlap=agent is None and not cfg.dynamic_sampling)
+                                 overlap)
 
     def train():
         """Steps 4-8 of every step, in order (with --async-steps, in a thread of its own: pipeline.py)."""

@@ -254,8 +254,6 @@ def exchange_objects(outgoing):
     Each object crosses the network once, where all_gather_object would deliver every object to every rank."""
     if world_size() == 1:
         return list(outgoing)
-    import pickle
-
     data = [torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8) for obj in outgoing]
     sizes = torch.tensor([len(d) for d in data], dtype=torch.int64, device=_here())    # (world,) bytes to each
     incoming = torch.empty_like(sizes)                                                   # (world,) bytes from each

@@ -27,16 +27,13 @@ class Stopped(RuntimeError):
 class Pipeline:
     """The batches between the sampler (the main thread) and the trainer (run's thread); see the module docstring.
 
-    sample(step, version) -> (score, cursor): steps 1-2 of `step` (version: the updates its weights had), and
-    score() -> the batch: step 3, on the main thread. load(weights): put a published set of weights (a list of (name,
-    tensor)) into the sampler. overlap: see the module docstring (with K >= 1 only)."""
+    sample(step, version) -> (score, cursor): steps 1-2 of `step` (version: the updates its weights had); score() -> the
+    batch: step 3, on the main thread. load(weights): put published weights, (name, tensor) pairs, into the sampler."""
 
     def __init__(self, K, first, last, sample, load, pending=(), overlap=False):
         self.K, self.first, self.last, self.overlap = K, first, last, overlap and K > 0
         self.sample, self.load = sample, load
-        self.ready = {}  # step -> (batch, cursor, version, seconds the sampler waited for the trainer)
-        for i, (batch, cursor, version) in enumerate(pending):  # a checkpoint's batches for the steps after it
-            self.ready[first + 1 + i] = (batch, cursor, version, 0.0)
+        self.ready = {first + 1 + i: (*entry, 0.0) for i, entry in enumerate(pending)}  # a checkpoint's batches first
         self.unsampled = first + 1 + len(pending)  # the first step to sample
         self.version = first        # the steps the trainer finished (step_done): their weights may sample
         self.loaded = first         # the updates whose weights the sampler holds
@@ -98,7 +95,15 @@ class Pipeline:
             return
         trainer = threading.Thread(target=self._guard, args=(train,), name="minigdpo-trainer", daemon=True)
         trainer.start()
-        with ThreadPoolExecutor(1, thread_name_prefix="minigdpo-generate") as pool:  # the overlap's
+        self._sample_all()
+        trainer.join(timeout=None if self.error is None else 60)  # a trainer deep in an update is not waited for long
+        if self.error is not None:
+            raise self.error
+        self._bring(self.version)
+
+    def _sample_all(self):
+        """Every step not yet sampled, in order, scored here (overlap: the next generating meanwhile); errors: _fail."""
+        with ThreadPoolExecutor(1, thread_name_prefix="minigdpo-generate") as pool:
             try:
                 ahead, steps = None, range(self.unsampled, self.last + 1)
                 for step in steps:
@@ -107,10 +112,6 @@ class Pipeline:
                     self._score(step, *generated)
             except BaseException as e:  # a Ctrl-C too: the trainer stops at its next wait, generation at its next
                 self._fail(e)
-        trainer.join(timeout=None if self.error is None else 60)  # a trainer deep in an update is not waited for long
-        if self.error is not None:
-            raise self.error
-        self._bring(self.version)
 
     def _generate(self, step):
         """Steps 1-2 of `step`, once the weights its step names are in the sampler: (score, cursor, version, wait)."""

@@ -13,20 +13,21 @@ from collections import deque
 import torch
 
 from minigdpo import dist
+from minigdpo.pipeline import Pipeline
 
 
 class SamplerLost(RuntimeError):
     """The other side stopped: a sampling rank (seen from a trainer) or a trainer (seen from a sampling rank)."""
 
 
-def pipeline(K, first, cursor, pending, last, sample, sampler, weights):
+def pipeline(K, first, cursor, pending, last, sample, sampler, weights, overlap=False):
     """(this role's pipeline, the step the run starts from, the cursor there). The trainers tell the sampling ranks
     where that is (a resumed run's step, past the batches its checkpoint holds) and send them its weights."""
     first, cursor, sampled = _talk(dist.announce, (first, cursor, len(pending)), 0)  # the first trainer's
     if dist.role() == "trainer":
         pipe = Trainers(K, first, last, weights, pending)
     else:
-        pipe = Samplers(K, first, first + 1 + sampled, last, sample, sampler.load_weights)
+        pipe = Samplers(K, first, first + 1 + sampled, last, sample, sampler.load_weights, overlap)
     pipe.begin()
     return pipe, first, cursor
 
@@ -116,14 +117,14 @@ class Trainers:
         return batch, cursor, version, waited
 
 
-class Samplers:
-    """train.py's pipeline on a sampling rank: run() samples every step (sample(step, version) -> (score, cursor);
-    score() -> batch, in turn) and sends it to the trainers, loading each update's weights (load) before the step that
-    needs it."""
+class Samplers(Pipeline):
+    """train.py's pipeline on a sampling rank: Pipeline's sampling side as it is (generation overlapping the scoring
+    where it may), with no trainer here: each batch goes to the trainers (_score), each update's weights come from them
+    (_bring), loaded before the step that needs them."""
 
-    def __init__(self, K, first, unsampled, last, sample, load):
-        self.K, self.first, self.unsampled, self.last, self.sample, self.load = K, first, unsampled, last, sample, load
-        self.sent = []  # waits of the batches in flight
+    def __init__(self, K, first, unsampled, last, sample, load, overlap):
+        super().__init__(K, first, last, sample, load, overlap=overlap)
+        self.unsampled, self.sent = unsampled, []  # sent: waits of the batches in flight
 
     def begin(self):
         """The weights the run starts from, after what they are (names, shapes, dtypes)."""
@@ -132,15 +133,14 @@ class Samplers:
 
     def run(self, train=None):
         """Every step, sampled in order, sent to the trainers; returns holding the last update's weights."""
-        for step in range(self.unsampled, self.last + 1):
-            t0 = time.perf_counter()
-            version = max(self.first, step - 1 - self.K)
-            self._bring(version)
-            waited = time.perf_counter() - t0
-            score, cursor = self.sample(step, version)
-            self._send(score(), (cursor, version, waited))
+        self._sample_all()
+        if self.error is not None:
+            raise self.error
         self._bring(self.last)
         _talk(dist.announce, None, 0)  # the trainers come once they have trained every batch: all were sent
+
+    def _score(self, step, score, cursor, version, waited):
+        self._send(score(), (cursor, version, waited))
 
     def _bring(self, version):
         """Receive every update up to `version`, in order, loading each that changed the weights."""
