@@ -77,18 +77,6 @@ def checkpoint_run(model):
         raise ValueError(f"{path}: not a minigdpo trainer.json ({e})") from None
 
 
-def fill_settings(args, run):
-    """Set every RUN_SETTINGS value the command line left unset, from the run's config, else the default; returns
-    the names taken from the run."""
-    taken = []
-    for name, default in RUN_SETTINGS.items():
-        if getattr(args, name) is None:
-            from_run = run is not None and name in run
-            setattr(args, name, run[name] if from_run else default)
-            taken += [name] if from_run else []
-    return taken
-
-
 def model_path(model, out_dir, label=""):
     """A directory every sampler loads: the model itself, or a LoRA adapter merged into its base model."""
     path = models.resolve_model(model)
@@ -222,8 +210,12 @@ def parse_args(argv=None):
     args.baseline, baseline_config = checkpoint_run(args.baseline) if args.baseline else ("", None)
     args.runs = {args.model: run_config, args.baseline: baseline_config}  # each model's trainer_state (evaluate)
     source, run_config = (args.model, run_config) if run_config is not None else (args.baseline, baseline_config)
-    explicit = [k for k in RUN_SETTINGS if getattr(args, k) is not None]
-    taken = fill_settings(args, run_config)
+    explicit, taken = [k for k in RUN_SETTINGS if getattr(args, k) is not None], []
+    for name, default in RUN_SETTINGS.items():  # each one left unset: the run's value, else the default
+        if getattr(args, name) is None:
+            from_run = run_config is not None and name in run_config
+            setattr(args, name, run_config[name] if from_run else default)
+            taken += [name] if from_run else []
     agentless = () if args.tools or args.environment else ("tools", "environment", "max_tool_calls", "tool_timeout")
     taken = [k for k in taken if k not in agentless and (k != "rewards" or args.rewards)]  # what the run changed
     if taken:

@@ -119,7 +119,8 @@ def run_training(argv=None):
     else:
         sampler = make_sampler(cfg.sampler, path, device, tokenizer, stop_ids, dtype, seed=cfg.seed + dist.rank(),
                                gpu_memory_utilization=cfg.vllm_gpu_memory_utilization,
-                               kv_cache_gib=cfg.vllm_kv_cache_gib, max_model_len=context, lora_settings=lora_settings)
+                               kv_cache_gib=cfg.vllm_kv_cache_gib, max_model_len=context, lora_settings=lora_settings,
+                               own_process=role == "sampler")  # vLLM's groups would span the trainers (vllm_sampler.py)
     gap_warn = cfg.logp_gap_warn or (1e-3 if dtype == torch.float32 else 0.05)  # config.py's logp_gap_warn
     save_dtype = models.source_dtype(path)  # exports keep the checkpoint's dtype, not the fp32 master copy's
 

@@ -95,9 +95,7 @@ def latest(output_dir):
     """Path of the newest complete checkpoint, or None."""
     best = None
     base = root(output_dir)
-    if not os.path.isdir(base):
-        return None
-    for name in os.listdir(base):
+    for name in os.listdir(base) if os.path.isdir(base) else []:
         m = _STEP_DIR.match(name)
         if m and os.path.exists(os.path.join(base, name, "COMPLETE")):
             if best is None or int(m.group(1)) > best[0]:

@@ -247,8 +247,7 @@ def validate(cfg):
     for name in positive:
         _check(getattr(cfg, name) >= 1, f"--{flag(name)} must be >= 1, got {getattr(cfg, name)}")
     for name in ["max_steps", "micro_batch_tokens", "max_tool_calls", "save_every", "samples_every", "weight_decay",
-                 "max_grad_norm", "beta", "final_eval", "logp_gap_warn",
-                 "vllm_kv_cache_gib"]:
+                 "max_grad_norm", "beta", "final_eval", "logp_gap_warn", "vllm_kv_cache_gib"]:
         value = getattr(cfg, name)
         _check(math.isfinite(value) and value >= 0, f"--{flag(name)} must be >= 0, got {value}")
     _check(cfg.group_size >= 2, f"--group-size must be at least 2 (a group compares two samples), got {cfg.group_size}")

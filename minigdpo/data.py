@@ -57,15 +57,6 @@ def read_rows(path, skip_bad=False):
     return rows, bad
 
 
-def _hub_rows(name, split):
-    try:
-        from datasets import load_dataset
-    except ImportError:
-        raise DataError(f"{name!r} is not a local file; loading hub datasets needs: pip install datasets") from None
-    repo, _, config = name.partition(":")
-    return list(load_dataset(repo, config or None, split=split))
-
-
 def _convert(source, numbered_rows, convert, settings, skip_bad, skipped):
     """Apply a row converter; a missing field or bad value names the file and line."""
     examples = []
@@ -88,8 +79,13 @@ def load_rows(data, split, convert, settings, skip_bad):
     the count of skipped rows)."""
     if os.path.exists(data) or data.endswith((".jsonl", ".json", ".parquet")):
         numbered, skipped = read_rows(data, skip_bad)
-    else:
-        numbered, skipped = list(enumerate(_hub_rows(data, split), start=1)), []
+    else:  # a hub dataset, "repo" or "repo:config"
+        try:
+            from datasets import load_dataset
+        except ImportError:
+            raise DataError(f"{data!r} is not a local file; loading hub datasets needs: pip install datasets") from None
+        repo, _, config = data.partition(":")
+        numbered, skipped = list(enumerate(load_dataset(repo, config or None, split=split), start=1)), []
     examples = _convert(data, numbered, convert, settings, skip_bad, skipped)
     if not examples:
         raise DataError(f"{data}: no usable rows" + (f" ({len(skipped)} malformed)" if skipped else ""))

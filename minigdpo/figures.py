@@ -24,9 +24,7 @@ RESAMPLES = 10_000  # bootstrap resamples behind each --baseline interval
 
 def pass_at_k(n, c, k):
     """Unbiased pass@k for c correct among n samples: 1 - C(n-c, k) / C(n, k)."""
-    if n - c < k:
-        return 1.0
-    return 1.0 - math.comb(n - c, k) / math.comb(n, k)
+    return 1.0 if n - c < k else 1.0 - math.comb(n - c, k) / math.comb(n, k)
 
 
 def prompt_stats(task, names, rewards, lengths, truncated, n, tool_counts=None):

@@ -312,9 +312,7 @@ class LogProbModel(nn.Module):
         T = mb.completion_ids.shape[1]
         where = (mb.out_index // T, mb.out_index % T)                          # (K,), (K,)
         out = lp.new_zeros(mb.completion_ids.shape).index_put(where, lp)       # (N, T)
-        if not entropy:
-            return out
-        return out, ent.new_zeros(mb.completion_ids.shape).index_put(where, ent)
+        return (out, ent.new_zeros(mb.completion_ids.shape).index_put(where, ent)) if entropy else out
 
     def whole_weights(self, dtype=None, main_only=False, adapters_only=False):
         """Yield (Hugging Face name, whole tensor) one parameter at a time, in `dtype` when given.

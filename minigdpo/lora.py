@@ -74,12 +74,8 @@ def check_targets(lm, layers, targets):
 
     inside = {id(m) for layer in layers for m in layer.modules()}
     linear = [(name, m) for name, m in lm.named_modules() if isinstance(m, nn.Linear)]
-
-    def matches(name, target):
-        return name == target or name.endswith("." + target)
-
     for target in targets:
-        hits = [(name, m) for name, m in linear if matches(name, target)]
+        hits = [(name, m) for name, m in linear if name == target or name.endswith("." + target)]
         outside = [name for name, m in hits if id(m) not in inside]
         if outside:
             raise ConfigError(f"--lora-targets {target!r} matches {outside[0]}, outside the decoder layers: "

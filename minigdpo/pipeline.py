@@ -8,11 +8,8 @@ turn: two would each keep a pool of compute threads, whose idle spinning slows t
 (no tools, no dynamic sampling) a third thread generates step s + 1 while the main thread scores step s.
 
 Keyed by step: step s is sampled by the weights of update max(first, s - 1 - K) (first: where the run started) and
-by the step's own seed, never by thread timing. The sampler waits for those weights (time/wait_trainer), the trainer
-for its batch (time/wait_sampler). After update t the trainer publishes the weights, which the sampler may use once
-the trainer's step t is over (its collectives must not interleave with the sampler's): with K = 0 they load at once;
-with K >= 1 as a copy (at most K + 1 wait), loaded before the step that needs it, so each step's rollouts see one
-set of weights. A checkpoint at step t holds each rank's batches sampled for steps t+1..t+K (`pending`).
+by the step's own seed, never by thread timing (docs/async.md, "Keyed by step"); publish, step_done and pending
+say when weights and batches change hands.
 """
 
 import threading

@@ -70,13 +70,10 @@ def build(path, device, compute_dtype, grad_checkpointing=False, frozen=False, o
     model = LogProbModel(lm, context)
     if compile:  # each layer's own forward, inside FSDP2's hooks and checkpointing (LogProbModel.compile_layers)
         model.compile_layers()
-    if lora_settings:
-        model.has_adapters = True
+    model.has_adapters = bool(lora_settings)
     if frozen:
         model.requires_grad_(False)
-        model.eval()
-    else:
-        model.train()
+    model.train(not frozen)  # the reference in eval mode
     param_dtype = compute_dtype if compute_dtype != torch.float32 and not frozen else None
     model = fsdp.shard(model, decoder_layers(lm), param_dtype=param_dtype, offload=offload,
                        forward_methods=("layer_packed",))

@@ -19,7 +19,7 @@ Shape legend: B prompts, n samples per prompt, N = B * n rows, P prompt columns,
 from dataclasses import dataclass, field
 
 import torch
-from transformers import AttentionInterface
+from transformers import AttentionInterface, DynamicCache
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
@@ -70,13 +70,6 @@ def tied_names(lm):
         else:
             first[id(t)] = name
     return tied
-
-
-def weight_names(lm):
-    """The Hugging Face names a weight sync sends for model `lm`: its state dict, each tied weight once
-    (under its first name, e.g. the input embedding for a tied head)."""
-    tied = tied_names(lm)
-    return [name for name in lm.state_dict(keep_vars=True) if name not in tied]
 
 
 def check_sync(expected, sent):
@@ -184,11 +177,11 @@ class HFSampler:
         # With peft's LoRA layers in the model (make_sampler), a sync sends the adapters alone: the base weights
         # stay those of the checkpoint, as the trainer's frozen base does.
         self.adapters_only = hasattr(model, "peft_config")
-        self.expected = [n for n in weight_names(model) if not self.adapters_only or is_adapter(n)]
+        tied = tied_names(model)  # a sync sends each tied weight once, under its first name (the input embedding)
+        self.expected = [n for n in model.state_dict(keep_vars=True)
+                         if n not in tied and (not self.adapters_only or is_adapter(n))]
         self.stop_ids = torch.tensor(sorted(stop_ids), device=device)
-        self.pad_id = pad_id
-        self.device = device
-        self.tokenizer = tokenizer
+        self.pad_id, self.device, self.tokenizer = pad_id, device, tokenizer
         self.offloaded, self.discarded, self.shapes = False, False, {}  # sleep(): moved off the accelerator, or dropped
         self.sync_every = sync_every(device)  # decode steps between host checks for "every row stopped"
 
@@ -247,7 +240,11 @@ class HFSampler:
         B = len(prompts)
         # every row keeps a token of its own
         shared = min(common_prefix(prompts), min(len(p) for p in prompts) - 1) if B > 1 and self.full_attention else 0
-        cache = self._new_cache()
+        # Where the attention applies no window, a cache of full layers: given none, transformers (5.20) builds one
+        # from the config, with sliding layers for a stray `sliding_window` that Llama's or OLMo-2's attention never
+        # applies, whose cache keeps only the window's keys ("The size of tensor a (4) must match the size of tensor b
+        # (43)"). Elsewhere None: transformers builds it from the config, as the attention reads it.
+        cache = DynamicCache() if self.full_attention else None
         if shared > 0:
             out = self.model(input_ids=torch.tensor([prompts[0][:shared]], device=self.device), past_key_values=cache,
                              use_cache=True, logits_to_keep=1)
@@ -259,16 +256,6 @@ class HFSampler:
         out = self.model(input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=cache,
                          use_cache=True, logits_to_keep=1)
         return out.past_key_values, out.logits[:, -1], mask
-
-    def _new_cache(self):
-        """The empty KV cache a generation starts from. Where the model's attention applies no window (layer_windows),
-        a cache of full layers: given none, transformers (5.20, DynamicCache(config=...)) builds one from the config,
-        with sliding layers for a stray `sliding_window` that Llama's or OLMo-2's attention never applies, and such
-        a layer keeps the window's keys against a mask of every position ("The size of tensor a (4) must match the
-        size of tensor b (43)"). Elsewhere None: transformers builds it from the config, as the attention reads it."""
-        from transformers import DynamicCache
-
-        return DynamicCache() if self.full_attention else None
 
     def _completions(self, tokens, logps, lengths, B, n):
         stop = set(self.stop_ids.tolist())
@@ -293,9 +280,7 @@ class HFSampler:
                 p.data = torch.empty(self.shapes.get(name, p.shape), dtype=p.dtype, device=self.device)
             p.data.copy_(tensor.to(p.device, p.dtype))
         self.discarded = False
-        if self.offloaded:  # the rest (buffers) follows, and wake() has no whole-model copy left to make
-            self.model.to(self.device)
-            self.offloaded = False
+        self.wake()  # offloaded: the rest (buffers) follows, and generate()'s wake() has no whole-model copy to make
         check_sync(self.expected, sent)
 
     def adapters_off(self):

@@ -4,30 +4,13 @@
     --tools mypkg.tools:search,mypkg.tools:fetch     plain functions (or async ones), typed, with Google docstrings
     --environment mypkg.envs:Wordle                  a class; one instance per concurrent rollout, reused
 
-A rollout: the model writes a turn and ends it with its stop token. The turn is parsed as the model's family writes
-tool calls (minigdpo/chat_formats.py: the tokenizer's response_template, or the format its chat template writes),
-with transformers' parse_response, the arguments typed by the tools' schemas; a turn that cannot be parsed, or with
-a call that has no string name, is plain text, and ends the rollout (TRL). Its calls run in order: a sync tool in
-the calling thread (a tool holding a thread-bound object, a sqlite3 connection made at import, works as in TRL),
-the async ones of every rollout together on the run's event loop (minigdpo/scoring.py). A call that raises, names
-no tool, or runs past --tool-timeout becomes the tool's message, {"error": ...}, and counts as a failure; a result
-that is not a string is passed as its text. The tool messages enter as the chat template's own tokens: what it
-writes after the assistant's turn for them and for the next generation prompt (chat_formats.suffix_ids). What the
-model wrote is never encoded again: the trainer sees the sampler's tokens. The model writes its next turn from
-those tokens, until a turn calls no tool, --max-tool-calls rounds of calls, or the budget: --max-new-tokens counts
-every token after the prompt, the tools' included, and a tool result that would pass it is dropped, which ends the
-rollout.
-
-An environment's `reset(**row)` (the row's columns, its prompt included) starts each rollout; a string it returns is
-appended to the last prompt message, and the rewards get the prompt so extended (TRL). Its public methods are that
-rollout's tools, beside --tools; `get_reward()`, where it has one, is one more reward named after its class
-(rewards get `environments=` too).
-
-What the trainer gets, a Completion per rollout: every token after its group's prompt, and `tool_mask`, 1 on the
-tokens the model wrote, 0 on the tools' and the template's (and on a rollout's own prompt tokens, where an
-environment made the G prompts of a group differ: the group's prompt is then their common part). What rewards get:
-`messages`, TRL's list (the assistant's message with its tool_calls, the tool messages, ..., the final assistant
-message), and `text`, the final message's content.
+A rollout: the model writes a turn; it is parsed as its family writes tool calls (minigdpo/chat_formats.py), its
+calls run in order (the async ones of every rollout together, on the run's event loop: minigdpo/scoring.py), and
+their results enter as the chat template's own tokens (chat_formats.suffix_ids): what the model wrote is never
+encoded again. It ends at a turn that calls no tool, --max-tool-calls rounds, or the --max-new-tokens budget, which
+counts every token after the prompt. An environment's reset(**row) starts each rollout; its public methods are
+tools. The trainer gets `tool_mask` (1 where the model wrote), the rewards TRL's `messages`. docs/tasks.md, "Agents:
+tools over several turns", tells the whole of it: failures and time limits, environments, what rewards see.
 """
 
 import asyncio

@@ -50,10 +50,8 @@ TRL_NAMES = {"bnpo": "micro_batch_token_mean", "dapo": "token_mean", "grpo": "se
 
 def aggregation(name):
     """Our name for an aggregation given by our name or by TRL's loss_type; ValueError otherwise."""
-    if name in AGGREGATIONS:
-        return name
-    if name in TRL_NAMES:
-        return TRL_NAMES[name]
+    if name in AGGREGATIONS or name in TRL_NAMES:
+        return TRL_NAMES.get(name, name)
     raise ValueError(f"unknown loss aggregation {name!r}; choose from {', '.join(AGGREGATIONS + tuple(TRL_NAMES))}")
 
 

@@ -21,31 +21,15 @@ project makes is in this file; tests/check_vllm_contract.py checks each name aga
     LLM.collective_rpc("reload_weights", kwargs={"weights_iterator": iterable of (HF name, tensor)})
     LLM.llm_engine.engine_core.shutdown()
 
-The weight sync is vLLM's in-place reload (vllm/model_executor/model_loader/reload/inplace.py:32, reached
-through Worker.reload_weights, v1/worker/gpu_worker.py:636 in 0.33.0, :629 in 0.32.0; the same module in
-both wheels). It takes Hugging Face names, rebuilds each vLLM module once all of its tensors arrived and
-reruns that module's post-load processing, so it is right on both engines:
-- on CPU, vLLM replaces each linear weight by a packed copy after loading
-  (model_executor/layers/utils.py:582-594 in 0.32.0), so the model's own load_weights fails there
-  ("'Parameter' object has no attribute 'weight_loader'"), and only a reload repacks it;
-- on CUDA its extra cost over load_weights is one module's tensors at a time (reload/layerwise.py:344-401),
-  at most the embedding (0.47 GB at Qwen2.5-1.5B), and one device copy of the weights.
-It returns nothing and does not fail on a module it received nothing for (it keeps the old weights with
-a warning, reload/layerwise.py:255-267), nor on one received in part (the rest is uninitialised memory,
-:273-275), so the sync checks the names itself: every Hugging Face weight must be sent (check_sync).
-A tied output head is sent under its own name too: the reload does not see the tie
-(reload/__init__.py:8-11), and the CPU build multiplies by its own packed copy of the head
-(vocab_parallel_embedding.py:67-71), which only a reload of lm_head refreshes.
+The weight sync is vLLM's in-place reload (model_executor/model_loader/reload/inplace.py:32, through
+Worker.reload_weights: v1/worker/gpu_worker.py:636 in 0.33.0, :629 in 0.32.0), not the model's load_weights, which
+fails on the CPU build's packed linear weights. The reload reports nothing, so the sync checks that every Hugging Face
+weight was sent (check_sync), a tied head under its own name too. docs/gpus.md ("Sampling with vLLM") says why, with
+vLLM's lines. Weights only ever come from the trainer, never from disk after a sync (huggingface/trl#5312): that
+serves stale weights, which `sampler/logp_gap` would show at once.
 
-Weights only ever come from the trainer. Nothing reloads them from disk after a sync: that pattern
-silently serves stale weights (huggingface/trl#5312). `sampler/logp_gap` in the metrics shows it at once.
-
-Sleep mode exists where vLLM's platform says so (CUDA, not the CPU build: platforms/interface.py:231-236).
-One step: generate(); sleep() once the step is known to update (level 2: weights and KV cache discarded,
-nothing copied to the host, since the sync rewrites every weight; with LoRA level 1, which keeps the base
-weights in host memory: no sync rewrites them); load_weights() wakes the weights and streams the new ones in;
-generate() wakes the KV cache. A step with nothing to learn (dynamic sampling at its cap) does not sleep: no
-sync follows it. generate() refuses weights discarded and not reloaded. Sampling streams: request_seeds.
+Sleep mode exists where vLLM's platform says so (CUDA, not the CPU build: platforms/interface.py:231-236): sleep()
+and load_weights() say when each part sleeps and wakes. Sampling streams: request_seeds.
 """
 
 import os
@@ -54,11 +38,13 @@ import shutil
 import socket
 import tempfile
 import weakref
+from functools import partial
 
 import numpy as np
 import torch
 
 from minigdpo import dist, lora, models
+from minigdpo.engine_process import EngineProcess
 from minigdpo.sampler import Completion, HFSampler, WeightSyncError, check_sync, tied_names
 
 # The builds this file is written against, and what each wheel declares (its METADATA); setup.py's own
@@ -90,7 +76,8 @@ def _ensure_launcher_env():
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
-        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        os.environ.setdefault("LOCAL_RANK", "0")  # an engine process's is its rank's: its GPU
     if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not dist.is_initialized():
         # vLLM would open its own one-rank group with this RANK and wait forever (parallel_state.py:1928).
         raise RuntimeError("the vLLM sampler joins the trainer's process group: call dist.init() before building it")
@@ -313,8 +300,6 @@ def check_sampler(cfg, kind):
 
     if kind != "vllm":
         return
-    if cfg.sampler_ranks:  # not built: vLLM's engine would make its groups over the trainers too (docs/async.md)
-        raise ConfigError("--sampler-ranks needs --sampler hf: the sampling ranks' vLLM engine is not built yet")
     if cfg.top_p != 1:  # vLLM's processed log-probs are renormalised over the nucleus; the trainer's are not
         raise ConfigError(f"--top-p {cfg.top_p} needs --sampler hf (vLLM's log-probs are renormalised after top-p)")
     if not 0.01 <= cfg.temperature <= 2:  # vLLM raises lower ones to 0.01 (sampling_params.py:560-568, 662-673)
@@ -346,13 +331,14 @@ def resolve_kind(kind):
     return kind
 
 
-def make_sampler(kind, model_path, device, tokenizer, stop_ids, dtype, seed=0, lora_settings=None, **vllm_options):
+def make_sampler(kind, model_path, device, tokenizer, stop_ids, dtype, seed=0, lora_settings=None, own_process=False,
+                 **vllm_options):
     """The rollout backend: "hf", "vllm", or "auto" (vLLM when importable with CUDA, else HF). With `lora_settings`
     (lora.Settings) the sampler applies the same adapters as the trainer (the HF one in the compute dtype), and a
     weight sync sends them alone (sampler.adapters_only)."""
     if resolve_kind(kind) == "vllm":
-        return VLLMSampler(model_path, tokenizer, stop_ids, seed=seed, dtype=dtype, lora_settings=lora_settings,
-                           **vllm_options)
+        return (partial(EngineProcess, VLLMSampler) if own_process else VLLMSampler)(
+            model_path, tokenizer, stop_ids, seed=seed, dtype=dtype, lora_settings=lora_settings, **vllm_options)
     lm = models.load_model(model_path, dtype)
     if lora_settings:
         lora.attach(lm, lora_settings, None)

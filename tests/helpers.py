@@ -73,3 +73,30 @@ def dies_on_rank2(completion, example):
     if os.environ.get("RANK") == "2" and _calls["scored"] > 16:
         os._exit(1)
     return digit_frac(completion, example)
+
+
+class Echo:
+    """A sampler for EngineProcess's test (tests/test_split.py): it answers where it runs and what it was sent."""
+
+    adapters_only = False
+
+    def __init__(self, scale, fail=False):
+        if fail:
+            raise ValueError("a setting this sampler refuses")
+        self.scale, self.loaded = scale, []
+
+    def load_weights(self, named_tensors):
+        self.loaded = [(name, tensor.sum().item()) for name, tensor in named_tensors]
+
+    def generate(self, prompts, n):
+        import os
+
+        return [[p * self.scale] * n for p in prompts], os.getpid(), os.environ.get("RANK"), self.loaded
+
+    def close(self):
+        pass
+
+    def exit(self):
+        import os
+
+        os._exit(3)

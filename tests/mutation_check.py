@@ -36,7 +36,8 @@ class Mutation:
 MUTATIONS = [
     # The three that once passed every test.
     Mutation("update: the trainer's log-probs at temperature 1 (the sampler still samples at --temperature)",
-             "minigdpo/update.py", "model(mb, cfg.temperature, cfg.logprob_chunk", "model(mb, 1.0, cfg.logprob_chunk",
+             "minigdpo/update.py", "model(mb, cfg.temperature, cfg.logprob_chunk, entropy=True)",
+             "model(mb, 1.0, cfg.logprob_chunk, entropy=True)",
              ("tests/test_train.py", "-k", "test_smoke_run and 1")),
     Mutation("update: gradient clipping computes the norm but does not scale the gradients",
              "minigdpo/update.py", "norm = torch.nn.utils.clip_grad_norm_(params, max_norm if max_norm > 0 else math.inf)",
@@ -97,7 +98,8 @@ MUTATIONS = [
              "train.py", 'fill_logprobs(ref, batches, "ref_logp", cfg, reshard=True)',
              'fill_logprobs(model, batches, "ref_logp", cfg)', ("tests/test_train.py", "-k", "test_smoke_run and 1")),
     Mutation("train: the data cursor not restored on resume",
-             "train.py", 'start, cursor = state["step"], state["cursor"]', 'start, cursor = state["step"], 0',
+             "train.py", 'start, cursor, pending = state["step"], state["cursor"]',
+             'start, cursor, pending = state["step"], 0',
              ("tests/test_train.py", "-k", "resume")),
     # Checkpoints.
     Mutation("checkpoint: resume takes a step directory without COMPLETE",
@@ -117,7 +119,7 @@ MUTATIONS = [
              "rewards/gsm8k.py", "return 1.0 if _drop_separators(predicted) == _drop_separators(gold) else 0.0",
              "return 1.0 if predicted in gold else 0.0", ("tests/test_rewards.py",)),
     Mutation('config: "3.0" accepted as an integer',
-             "minigdpo/config.py", "group.add_argument(flag, type=f.type, default=None,",
+             "minigdpo/cli.py", "group.add_argument(flag, type=f.type, default=None,",
              "group.add_argument(flag, type=(lambda x: int(float(x))) if f.type is int else f.type, default=None,",
              ("tests/test_reliability.py", "-k", "integer_flag")),
 ]

@@ -120,11 +120,24 @@ def test_bad_split_input_is_one_line(flags, says):
     assert says in refusal(["--preset", "smoke", *flags])
 
 
-def test_a_split_run_refuses_vllm_in_one_line():
-    """Once --sampler resolves to vLLM (auto does on a GPU with vLLM installed); here, where vLLM is not installed,
-    train.py refuses --sampler vllm before that."""
-    from minigdpo.config import Config, ConfigError
-    from minigdpo.vllm_sampler import check_sampler
+def test_an_engine_process_answers_outside_the_torchrun_world_and_says_when_it_fails(monkeypatch):
+    """minigdpo/engine_process.py, with a sampler that reports where it runs (the real vLLM engine runs so in
+    tests/test_vllm_real.py): its calls run in a child without torchrun's world variables, a stream of weights
+    arrives whole, an error comes back as itself, and a child that exits is one line."""
+    from minigdpo.engine_process import EngineProcess
+    from tests.helpers import Echo
 
-    with pytest.raises(ConfigError, match="--sampler-ranks needs --sampler hf"):
-        check_sampler(Config(sampler_ranks=1), "vllm")
+    monkeypatch.setenv("RANK", "2")  # a sampling rank's, which the engine's world must not take
+    with pytest.raises(ValueError, match="a setting this sampler refuses"):
+        EngineProcess(Echo, 2, fail=True)
+    engine = EngineProcess(Echo, 2)
+    engine.load_weights((name, torch.full((2,), float(i))) for i, name in enumerate(["a", "b"]))
+    samples, pid, rank, loaded = engine.generate([1, 5], n=2)
+    assert samples == [[2, 2], [10, 10]] and pid not in (os.getpid(), None) and rank is None
+    assert loaded == [("a", 0.0), ("b", 2.0)] and engine.adapters_only is False
+    with pytest.raises(TypeError):
+        engine.generate([1])
+    with pytest.raises(RuntimeError, match=r"the sampler's process exited \(status 3\)"):
+        engine.exit()
+    engine.close()
+    assert not engine.process.is_alive()
