@@ -268,8 +268,9 @@ def test_a_split_runs_sampling_rank_samples_with_the_real_engine_in_a_process_of
     """--sampler-ranks 1 on 3 gloo ranks: the sampling rank's engine runs in a child process (a world of one), its
     weights from the trainers after every update. K = 0: its log-probs equal the trainers' to fp32 rounding at every
     step while the weights move, so each update landed in the engine; and it samples and scores what a colocated
-    engine with the same seeds does. K = 1 then runs a step ahead, one update stale, and the sampling rank's final
-    evaluation runs on that engine, which then exits with the run."""
+    engine with the same seeds does. K = 1 with LoRA then runs a step ahead, one update stale, its adapters served by
+    the engine's own LoRA, and the sampling rank's final evaluation (the base model with the adapters off) runs on
+    that engine, which then exits with the run."""
     colocated, split, ahead = (str(tmp_path / name) for name in ("colocated", "split", "ahead"))
     common = ["--max-steps", "3", "--save-every", "0", "--samples-every", "1", "--final-eval", "0"]
     run(train_args(path, colocated, *common))
@@ -280,9 +281,10 @@ def test_a_split_runs_sampling_rank_samples_with_the_real_engine_in_a_process_of
     assert [r["reward/format/mean"] for r in rows] == [r["reward/format/mean"] for r in
                                                        read_jsonl(os.path.join(colocated, "metrics.jsonl"))]
     proc = run(train_args(path, ahead, *common, "--sampler-ranks", "1", "--async-steps", "1", "--save-every", "3",
-                          "--final-eval", "4"), nproc=3)
+                          "--final-eval", "4", "--lora-rank", "8"), nproc=3)
     rows = read_jsonl(os.path.join(ahead, "metrics.jsonl"))
     assert [r["async/staleness_max"] for r in rows] == [0, 1, 1] and rows[0]["sampler/logp_gap"] < FP32_GAP
+    assert os.path.isdir(os.path.join(ahead, "checkpoints", "step_000003", "adapter"))  # a LoRA run's checkpoint
     assert os.path.exists(os.path.join(ahead, "final_eval", "summary.json"))  # evaluated by the engine's process
     assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
 
