@@ -27,7 +27,7 @@ class EngineProcess:
         self.process.start()
         self.adapters_only = self._call()  # the one attribute a caller reads (train.py)
 
-    def __getattr__(self, name):  # generate, sleep, wake, adapters_off, close: run in the child
+    def __getattr__(self, name):  # generate, sleep, wake, adapters_off: run in the child
         return lambda *args, **kwargs: self._call(name, args, kwargs)
 
     def load_weights(self, named_tensors):
