@@ -335,10 +335,12 @@ def make_sampler(kind, model_path, device, tokenizer, stop_ids, dtype, seed=0, l
                  **vllm_options):
     """The rollout backend: "hf", "vllm", or "auto" (vLLM when importable with CUDA, else HF). With `lora_settings`
     (lora.Settings) the sampler applies the same adapters as the trainer (the HF one in the compute dtype), and a
-    weight sync sends them alone (sampler.adapters_only)."""
+    weight sync sends them alone (sampler.adapters_only). own_process: a vLLM engine in a child process of its own, as a
+    split run's sampling rank needs (minigdpo/engine_process.py); the HF sampler stays in this one."""
     if resolve_kind(kind) == "vllm":
-        return (partial(EngineProcess, VLLMSampler) if own_process else VLLMSampler)(
-            model_path, tokenizer, stop_ids, seed=seed, dtype=dtype, lora_settings=lora_settings, **vllm_options)
+        build = partial(EngineProcess, VLLMSampler) if own_process else VLLMSampler
+        return build(model_path, tokenizer, stop_ids, seed=seed, dtype=dtype, lora_settings=lora_settings,
+                     **vllm_options)
     lm = models.load_model(model_path, dtype)
     if lora_settings:
         lora.attach(lm, lora_settings, None)
