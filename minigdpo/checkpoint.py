@@ -52,13 +52,9 @@ def root(output_dir):
 
 
 def check_shared(output_dir):
-    """Stop on every rank, before any weights load, unless every rank's output_dir is one directory.
-
-    Checkpoints need one shared filesystem: DCP puts each rank's shards in one folder, rank 0 writes
-    its metadata and the Hugging Face export, and resume must find them all. Rank 0 writes a nonce
-    file into its output_dir; every rank then looks for it in its own --output-dir (which may be
-    another string on another node: a different mount point of the same share is fine).
-    """
+    """Stop on every rank, before any weights load, unless every rank's output_dir is one directory, as checkpoints
+    need: rank 0 writes a nonce file into its output_dir, and every rank looks for it in its own --output-dir (another
+    mount point of the same share is fine; docs/gpus.md, "Several nodes")."""
     if dist.world_size() == 1:
         return
     name = dist.broadcast_object(f".minigdpo-shared-{os.getpid()}-{time.time_ns()}")

@@ -9,10 +9,8 @@ NCCL serves CUDA tensors only: a host tensor that reaches one of its collectives
 type associated with device type cpu". So every wrapper here puts its tensors on the training device
 itself and returns its result there, and a call site can hand it a tensor from anywhere.
 
-With --async-steps the sampling side (minigdpo/pipeline.py) gathers its rewards while the trainer's FSDP2
-collectives run in another thread. Collectives of one group must come in the same order on every rank, which two
-threads cannot promise, so the sampling thread's go to a gloo group of their own (`sampling_group`): the wrappers
-send the calling thread's collectives to its group, on the host.
+With --async-steps the sampling thread's collectives (minigdpo/pipeline.py) go to a gloo group of their own
+(`sampling_group`), on the host: a group's must come in the same order on every rank, which two threads cannot promise.
 
 With --sampler-ranks N (minigdpo/split.py) rank(), world_size() and the collectives are those of this rank's role,
 and the roles meet only on the split placement's own groups (send_object, recv_object, bridge, announce).
@@ -122,12 +120,10 @@ def device():
 
 
 def cleanup(error=None):
-    """Destroy the process group and make sure it is gone, its threads joined and connections closed, while the
-    interpreter is still whole (a finished run meets at a barrier first, train.py; error paths leave at once).
-    destroy_process_group only unregisters a gloo group, which lives on until its last reference goes and can
-    abort the process at exit (docs/reliability.md). The model and optimizer hold the groups, so the caller lets go
-    of them first (train.main; on an error path the frames of `error`'s traceback and its causes are released
-    here); the mesh lets go of its groups here, and a collection joins the rest (tests/test_cluster.py counts)."""
+    """Destroy the process group, its threads joined and connections closed, while the interpreter is still whole:
+    destroy_process_group only unregisters a gloo group (docs/reliability.md, "A clean exit, every time"). The caller
+    first lets go of the model and optimizer, which hold the groups (train.main); here the frames of `error`'s traceback
+    and its causes are released, the mesh drops its groups, and a collection joins the rest (tests/test_cluster.py)."""
     global _mesh, _role, _voice
     todo, seen = [error], set()
     while todo:

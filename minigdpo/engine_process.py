@@ -1,11 +1,9 @@
 """A sampler in a process of its own, outside the torchrun job's process group: a split run's sampling rank holds its
-vLLM engine so (--sampler-ranks, minigdpo/split.py). vLLM's external launcher would make its groups over the whole
-torchrun world (distributed/parallel_state.py:1928-1990 in 0.32.0), which the trainers never join; in a child
-process, the engine is alone in a world of its own.
+vLLM engine so (--sampler-ranks; docs/async.md, "The split placement"). vLLM's external launcher would make its groups
+over the whole torchrun world (distributed/parallel_state.py:1928-1990 in 0.32.0), which the trainers never join.
 
-Each call goes over a pipe and its answer or its error comes back. Tensors go through torch.multiprocessing: shared
-memory on CPU, CUDA IPC handles on GPU, not copies through the pipe. The caller waits for each answer, so a tensor it
-sends stays alive while the engine reads it.
+Each call goes over a pipe, tensors through torch.multiprocessing (shared memory on CPU, CUDA IPC handles on GPU); the
+caller waits for each answer, so a tensor it sends stays alive while the engine reads it.
 """
 
 import os

@@ -16,11 +16,9 @@ computes exactly the same numbers, and is the test oracle's subject, with three 
   the projections, norms and MLP, and only attention sees them in padded rows (--padding-free false keeps
   the padding in the row, which computes the same numbers at its cost).
 
-The fast pass reproduces a model's forward only where `fast_pass_refusal` says it does (Llama, Mistral, Qwen2/3,
-Phi-3, OLMo-2; full attention or sliding windows, as banded masks; SDPA or eager kernels). Every other model runs
-naive_logprobs itself, its own forward with its own head, and the run says so once. Each run also checks itself
-(`check_fast_pass`): on its first micro-batch, the fast pass against the model's own forward, and a difference
-beyond rounding sends it to its own forward for good: a model nobody tested is safe by construction.
+The fast pass runs only where `fast_pass_refusal` says it reproduces the model's forward; every other model runs its
+own forward, head included, and each run checks itself once (`check_fast_pass`), a difference beyond rounding sending
+it to its own forward for good: a model nobody tested is safe by construction (docs/performance.md, "Which models").
 
 `LogProbModel` wraps the Hugging Face model and is the FSDP2 root (fsdp.shard), so the embedding
 and the head are gathered by the root's own hooks; `whole_weights` streams its weights out, whole, under

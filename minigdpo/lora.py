@@ -14,21 +14,11 @@ see the model they see without LoRA. Only the names of the targeted layers gain 
                                                 model.layers.0.self_attn.q_proj.lora_A.default.weight  (R, in)
                                                 model.layers.0.self_attn.q_proj.lora_B.default.weight  (out, R)
 
-What changes against full fine-tuning:
-- the base weights are frozen and kept in the compute dtype (no fp32 master copy, no AdamW moments,
-  no gradients); the adapters keep fp32 master weights and are computed in the compute dtype;
-- the frozen reference is the same model with every adapter switched off (`adapters_off`), so no
-  second copy of the base weights is loaded;
-- the sampler computes what the trainer computes: it holds the base weights once and applies the adapters,
-  which are all a sync sends (`adapter_weights`): the HF sampler carries peft's layers, vLLM its own LoRA
-  support (minigdpo/vllm_sampler.py). Merged weights, W + (alpha / R) B A under the base model's own names
-  (`merged_state`), go to exports; a bf16 merge would round every change under half a bf16 step back to W;
-- checkpoints hold the adapters in peft's format (`adapter/`), loadable with
-  `PeftModel.from_pretrained(base, "adapter")`; the merged model goes to hf/ with --merge-on-save.
-
-Initialisation is peft's (A Kaiming-uniform, B zero, so the adapted model starts as the base model),
-drawn on the host from a fixed seed, one whole tensor at a time: every rank and every world size gets
-the same adapters, and each rank keeps the rows of its own shards.
+What changes against full fine-tuning (docs/gpus.md, "LoRA on one GPU", tells the whole of it): the base weights
+are frozen in the compute dtype, the adapters keep fp32 master weights; the reference is the policy with its adapters
+off (`adapters_off`); a sync sends the adapters alone (`adapter_weights`), and merged weights (`merged_state`) go to
+exports; checkpoints hold the adapters in peft's format (`adapter/`). Initialisation is peft's, drawn on the host
+from a fixed seed, one whole tensor at a time: every rank and every world size gets the same adapters.
 """
 
 import contextlib

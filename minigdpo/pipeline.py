@@ -1,15 +1,11 @@
 """Asynchronous rollouts (--async-steps K): the next batches are sampled and scored while this one trains
 (docs/async.md tells the whole of it).
 
-Two threads on every rank. The main thread samples (train.py's steps 1-3), so a reward's or a tool's time limit
-(SIGALRM, main thread only) and a tool's thread-bound objects work as in a synchronous run; the trainer (steps 4-8)
-runs in a thread of its own and takes the batches in order, each exactly once. With K = 0 one thread does both, in
-turn: two would each keep a pool of compute threads, whose idle spinning slows the other on a CPU. With `overlap`
-(no tools, no dynamic sampling) a third thread generates step s + 1 while the main thread scores step s.
-
-Keyed by step: step s is sampled by the weights of update max(first, s - 1 - K) (first: where the run started) and
-by the step's own seed, never by thread timing (docs/async.md, "Keyed by step"); publish, step_done and pending
-say when weights and batches change hands.
+The main thread samples (train.py's steps 1-3; SIGALRM time limits work there only), the trainer (steps 4-8) takes
+the batches in a thread of its own, in order, each exactly once; with K = 0 one thread does both, in turn, and with
+`overlap` a third generates step s + 1 while step s is scored (docs/async.md, "What runs where"). Keyed by step: step
+s is sampled by the weights of update max(first, s - 1 - K) (first: where the run started) and by its own seed, never
+by thread timing (docs/async.md, "Keyed by step"); publish, step_done and pending say when weights and batches move.
 """
 
 import threading

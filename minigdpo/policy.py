@@ -46,16 +46,14 @@ def shard_reader(path, lm):
 
 def build(path, device, compute_dtype, grad_checkpointing=False, frozen=False, offload=False, lora_settings=None,
           compile=False, context=None):
-    """Build on the meta device, wrap for log-probs, shard with FSDP2 over all ranks, then have each
-    rank read only its own shards (start-up host memory: this rank's shards plus the read rows, about
-    1.5 x fp32 model / world for a bf16 checkpoint; a checkpoint shard_reader cannot read is loaded whole first).
+    """Build as the module docstring says: on the meta device, wrapped, sharded, each rank reading its own shards
+    (start-up host memory: this rank's shards plus the read rows, about 1.5 x fp32 model / world for a bf16 checkpoint).
 
-    The trained model keeps fp32 master weights and computes in compute_dtype; the frozen
-    reference needs no master copy and is loaded in compute_dtype directly (half the memory in bf16).
-    With `lora_settings` (lora.Settings) peft's adapters are injected before sharding: the frozen base is
-    loaded in compute_dtype like the reference, and only the adapters keep fp32 master weights. compile=True
-    compiles each decoder layer's forward (LogProbModel.compile_layers); context: the longest sequence a pass meets
-    (logprobs.fast_pass_refusal).
+    The trained model keeps fp32 master weights and computes in compute_dtype; the frozen reference needs no master
+    copy and is loaded in compute_dtype directly (half the memory in bf16). With `lora_settings` (lora.Settings)
+    peft's adapters are injected before sharding: the frozen base is loaded in compute_dtype like the reference, and
+    only the adapters keep fp32 master weights. compile=True compiles each decoder layer's forward
+    (LogProbModel.compile_layers); context: the longest sequence a pass meets (logprobs.fast_pass_refusal).
     """
     dtype = compute_dtype if frozen or lora_settings else torch.float32
     lm = empty_model(path, dtype)

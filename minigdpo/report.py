@@ -35,8 +35,7 @@ def reward_metrics(rewards, names, counts_per_rank):
 
 
 class Logger:
-    """Rank 0's sinks; namespaced keys (reward/<name>/..., adv/..., loss/..., kl, time/...). On resume,
-    the rows after the resumed step (from the lost run) are dropped."""
+    """Rank 0's sinks (module docstring); on resume, the rows after the resumed step (the lost run's) are dropped."""
 
     def __init__(self, output_dir, total_steps, start_step, run_config, wandb_project=""):
         self.main, self.first, self.recent = dist.is_main(), None, deque(maxlen=3)  # what the start/end table needs

@@ -5,12 +5,10 @@
     --environment mypkg.envs:Wordle                  a class; one instance per concurrent rollout, reused
 
 A rollout: the model writes a turn; it is parsed as its family writes tool calls (minigdpo/chat_formats.py), its
-calls run in order (the async ones of every rollout together, on the run's event loop: minigdpo/scoring.py), and
-their results enter as the chat template's own tokens (chat_formats.suffix_ids): what the model wrote is never
-encoded again. It ends at a turn that calls no tool, --max-tool-calls rounds, or the --max-new-tokens budget, which
-counts every token after the prompt. An environment's reset(**row) starts each rollout; its public methods are
-tools. The trainer gets `tool_mask` (1 where the model wrote), the rewards TRL's `messages`. docs/tasks.md, "Agents:
-tools over several turns", tells the whole of it: failures and time limits, environments, what rewards see.
+calls run in order, and their results enter as the chat template's own tokens (chat_formats.suffix_ids): what the
+model wrote is never encoded again. The trainer gets `tool_mask` (1 where the model wrote), the rewards TRL's
+`messages`. docs/tasks.md, "Agents: tools over several turns", tells the whole of it: when a rollout ends, failures
+and time limits, async tools, environments, what rewards see.
 """
 
 import asyncio
