@@ -14,8 +14,7 @@ from minigdpo.presets import PRESETS
 
 def field_docs(cls=Config):
     """The docstring under each field, read from the class source."""
-    tree = ast.parse(inspect.getsource(cls))
-    body = tree.body[0].body
+    body = ast.parse(inspect.getsource(cls)).body[0].body  # the class's statements
     docs = {}
     for node, nxt in zip(body, body[1:]):
         if isinstance(node, ast.AnnAssign) and isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant):

@@ -298,8 +298,8 @@ class LogProbModel(nn.Module):
 
     def forward(self, mb, temperature=1.0, chunk=1024, entropy=False):
         """mb: a MicroBatch (minigdpo/microbatch.py). Returns (N, T) log-probs, and entropies with entropy=True."""
+        T = mb.completion_ids.shape[1]
         if not self.fast or mb.packed is None:  # the model's own forward, head included, on full sequences
-            T = mb.completion_ids.shape[1]
             valid = torch.zeros(mb.completion_ids.numel(), device=mb.out_index.device).index_fill_(
                 0, mb.out_index, 1.0).view(-1, T)                                # (N, T) the completion tokens
             return own_logprobs(self.lm, mb.prompt_ids, mb.prompt_mask, mb.repeats, mb.completion_ids, valid,
@@ -307,7 +307,6 @@ class LogProbModel(nn.Module):
         hidden = packed_hidden_states(self.lm, mb.packed)                       # (K, H)
         weight = self.lm.get_output_embeddings().weight                         # (V, H)
         lp, ent = chunked_logprobs(hidden, weight, mb.targets, temperature, chunk, entropy)  # (K,)
-        T = mb.completion_ids.shape[1]
         where = (mb.out_index // T, mb.out_index % T)                          # (K,), (K,)
         out = lp.new_zeros(mb.completion_ids.shape).index_put(where, lp)       # (N, T)
         return (out, ent.new_zeros(mb.completion_ids.shape).index_put(where, ent)) if entropy else out

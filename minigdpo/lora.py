@@ -175,8 +175,7 @@ def merged_state(lm, dtype, skip, main_only=False):
             merged = W.float() + layers[prefix].scaling[ADAPTER] * (B.float() @ A.float())  # (out, in)
             yield f"{prefix}.weight", merged.to(dtype or W.dtype)
         else:  # a bias of an adapted layer, or any other tensor: its name without the ".base_layer"
-            t = t.detach()
-            t = t.to(dtype) if dtype is not None else t
+            t = t.detach().to(dtype) if dtype is not None else t.detach()
             yield name.replace(".base_layer.", "."), dist.full_tensor(t, main_only)
 
 

@@ -199,11 +199,10 @@ def by_tokens(groups, budget, shared=True):
             _warned.add("long")
             dist.print0(f"warning: a group of {size} tokens is longer than --micro-batch-tokens {budget}: "
                         "it runs alone")
-        at = next((k for k, r in enumerate(room) if r >= size), None)
-        if at is None:
+        at = next((k for k, r in enumerate(room) if r >= size), len(bins))  # none with room: a new bin
+        if at == len(bins):
             bins.append([])
             room.append(budget)
-            at = len(bins) - 1
         bins[at].append(g)
         room[at] -= size
     per_rank = math.ceil(len(bins) / world)
