@@ -1,36 +1,33 @@
-"""Advantage estimators: GRPO, GRPO without std, GDPO (arXiv 2601.05242), and the GDPO
-variants of verl and NeMo-RL. GDPO's successors, GD2PO and SAW, are in minigdpo/successors.py;
-minigdpo/estimators.py names them all (REGISTRY) for the command line.
+"""Advantage estimators: GRPO, GRPO without std, GDPO (arXiv 2601.05242), and the GDPO variants of verl and NeMo-RL.
+GDPO's successors, GD2PO and SAW, are in minigdpo/successors.py; minigdpo/estimators.py names them all (REGISTRY)
+for the command line.
 
 Every estimator is a pure function with one signature:
 
     advantages = estimator(rewards, weights, lengths=None)   # rewards (B, G, R), weights (R,) -> (B, G)
 
-Shape legend: B prompts, G samples per prompt (the group), R reward functions.
-`lengths` (B, G) gives each completion's length in tokens; `gdpo_verl`, `gd2po` and `saw_gdpo` read
-it (their batch step whitens over tokens, so each sample weighs its length), the others ignore it.
+Shape legend: B prompts, G samples per prompt (the group), R reward functions. `lengths` (B, G) gives each
+completion's length in tokens; `gdpo_verl`, `gd2po` and `saw_gdpo` read it (their batch step whitens over tokens, so
+each sample weighs its length), the others ignore it.
 
 Rules shared by grpo, grpo_no_std and gdpo (they match the paper's released TRL code,
 NVlabs/GDPO trl-0.18.0-gdpo/trl/trainer/grpo_trainer.py, on NaN-free input):
 - every std is the unbiased (Bessel) one, as `torch.std` computes it;
 - every normalisation divides by (std + 1e-4);
 - `weights` multiply the rewards (GRPO) or the per-reward advantages (GDPO, Eq. 7);
-- the batch step of GDPO runs over the whole global batch, so multi-rank callers
-  all-gather the rewards first.
-gdpo_verl and gdpo_nemo reproduce the other released GDPOs; their docstrings say where
-they depart from these rules. Each estimator has a loop-over-groups twin in
-tests/advantages_naive.py, the tests' oracle.
+- the batch step of GDPO runs over the whole global batch, so multi-rank callers all-gather the rewards first.
+gdpo_verl and gdpo_nemo reproduce the other released GDPOs; their docstrings say where they depart from these rules.
+Each estimator has a loop-over-groups twin in tests/advantages_naive.py, the tests' oracle.
 
-NaN marks a reward that does not apply to a sample. The estimators that normalise each
-reward (gdpo and its peers) leave it out of its group's statistics, and it contributes 0 to
-that sample's advantage. Those that sum the rewards first (grpo, grpo_no_std, saw_grpo) add a
-NaN reward as 0, as TRL's nansum does: in the group (NaN, 1), (0, 1), (1, 1) the first sample
-gets exactly the advantage of (0, 1). Under every estimator a sample whose rewards are all NaN
-gets 0 and stays out of the statistics. A group in which a reward is constant (or has fewer
-than two values) carries no signal for it and gives exactly 0.
+NaN marks a reward that does not apply to a sample. The estimators that normalise each reward (gdpo and its peers)
+leave it out of its group's statistics, and it contributes 0 to that sample's advantage. Those that sum the rewards
+first (grpo, grpo_no_std, saw_grpo) add a NaN reward as 0, as TRL's nansum does: in the group (NaN, 1), (0, 1),
+(1, 1) the first sample gets exactly the advantage of (0, 1). Under every estimator a sample whose rewards are all
+NaN gets 0 and stays out of the statistics. A group in which a reward is constant (or has fewer than two values)
+carries no signal for it and gives exactly 0.
 
-Conditioned rewards (Eq. 8) rewrite the reward tensor before any estimator runs:
-see `Condition` and `apply_conditions` at the end of the file.
+Conditioned rewards (Eq. 8) rewrite the reward tensor before any estimator runs: see `Condition` and
+`apply_conditions` at the end of the file.
 """
 
 import math
@@ -147,18 +144,16 @@ def gdpo_verl(rewards, weights=None, eps=VERL_STD_EPS, lengths=None):
         var     = sum_i L_i (A_sum,i - mu)^2 / (N - 1)            token-weighted, Bessel over N tokens
         A_i     = (A_sum,i - mu) / sqrt(var + 1e-8)
 
-    L_i is completion i's length in tokens (`lengths`, (B, G); without it every sample counts
-    as one token). verl copies each sample's advantage onto its response tokens and whitens
-    that (B*G, T) grid under the response mask, so a long completion weighs L_i times.
+    L_i is completion i's length in tokens (`lengths`, (B, G); without it every sample counts as one token). verl
+    copies each sample's advantage onto its response tokens and whitens that (B*G, T) grid under the response mask,
+    so a long completion weighs L_i times.
 
-    Reproduces `adv_estimator=gdpo` of NVlabs/GDPO verl-GDPO: compute_advantage in
-    verl/trainer/ppo/ray_trainer.py, which runs core_algos.compute_grpo_outcome_advantage on
-    each reward and verl.utils.torch_functional.masked_whiten on their sum. (Upstream
-    volcengine/verl has no gdpo estimator as of January 2026.) Departures, none of which
-    changes a trained run: verl-GDPO sums exactly two rewards unweighted, here any R with
-    weights (default 1); NaN rewards follow this module's rules (a sample with no reward
-    gets L_i = 0); a completion of 0 tokens gets 0, as verl's mask gives it; with fewer
-    than 2 tokens in the batch verl raises and this returns 0.
+    Reproduces `adv_estimator=gdpo` of NVlabs/GDPO verl-GDPO: compute_advantage in verl/trainer/ppo/ray_trainer.py,
+    which runs core_algos.compute_grpo_outcome_advantage on each reward and verl.utils.torch_functional.masked_whiten
+    on their sum. (Upstream volcengine/verl has no gdpo estimator as of January 2026.) Departures, none of which
+    changes a trained run: verl-GDPO sums exactly two rewards unweighted, here any R with weights (default 1); NaN
+    rewards follow this module's rules (a sample with no reward gets L_i = 0); a completion of 0 tokens gets 0, as
+    verl's mask gives it; with fewer than 2 tokens in the batch verl raises and this returns 0.
     """
     return token_whiten(gdpo_group(rewards, weights, eps), token_counts(rewards, lengths))  # (B, G)
 
@@ -196,10 +191,9 @@ def leave_one_out_zscore(x, eps=NEMO_STD_EPS):
         b_i = mean_{j != i} x_j,   s_i = std_{j != i} x_j  (Bessel over the G-1 others)
         z_i = (x_i - b_i) / (s_i + eps)   if s_i > 0,   else  x_i - b_i  (kept unscaled)
 
-    x: (B, G) or (B, G, R); the others are the non-NaN samples of the group. NaN entries,
-    and groups with fewer than two values, give 0. s_i = 0 means the others are all equal
-    (always so when there is only one); that is tested exactly, so rounding cannot turn
-    a zero spread into a tiny divisor.
+    x: (B, G) or (B, G, R); the others are the non-NaN samples of the group. NaN entries, and groups with fewer than
+    two values, give 0. s_i = 0 means the others are all equal (always so when there is only one); that is tested
+    exactly, so rounding cannot turn a zero spread into a tiny divisor.
     """
     valid = ~torch.isnan(x)                                          # (B, G, ...)
     n = valid.sum(dim=1, keepdim=True).to(x.dtype)                   # (B, 1, ...) counts as floats: no int promotion
@@ -229,16 +223,14 @@ def gdpo_nemo(rewards, weights=None, eps=NEMO_STD_EPS, lengths=None, leave_one_o
         A_i     = (A_sum,i - mean_batch) / std_batch    if std_batch > 0 (Bessel, no eps)
                 = A_sum,i - mean_batch                  otherwise
 
-    Reproduces GDPOAdvantageEstimator in NVIDIA-NeMo/RL nemo_rl/algorithms/advantage_estimator.py,
-    with its default use_leave_one_out_baseline=True and normalize_rewards=True; the
-    per-prompt statistics are calculate_baseline_and_std_per_prompt in nemo_rl/algorithms/utils.py.
-    leave_one_out=False uses the whole group for b and s (then a constant reward gives 0).
-    Unlike GDPO's other normalisations, a sample whose others all agree keeps its raw
-    difference r - b: with G = 2 nothing is ever scaled. Like NeMo-RL it refuses a single
-    reward. Departures: NeMo-RL orders `weights` by reward name, here they follow the
-    rewards' order; it computes the spread as E[x^2] - E[x]^2, which can round a zero to a
-    tiny positive number, here a zero spread is detected exactly; NaN rewards follow this
-    module's rules (a sample with no reward gets 0 and stays out of the batch statistics).
+    Reproduces GDPOAdvantageEstimator in NVIDIA-NeMo/RL nemo_rl/algorithms/advantage_estimator.py, with its default
+    use_leave_one_out_baseline=True and normalize_rewards=True; the per-prompt statistics are
+    calculate_baseline_and_std_per_prompt in nemo_rl/algorithms/utils.py. leave_one_out=False uses the whole group
+    for b and s (then a constant reward gives 0). Unlike GDPO's other normalisations, a sample whose others all agree
+    keeps its raw difference r - b: with G = 2 nothing is ever scaled. Like NeMo-RL it refuses a single reward.
+    Departures: NeMo-RL orders `weights` by reward name, here they follow the rewards' order; it computes the spread
+    as E[x^2] - E[x]^2, which can round a zero to a tiny positive number, here a zero spread is detected exactly; NaN
+    rewards follow this module's rules (a sample with no reward gets 0 and stays out of the batch statistics).
 
     The exact test is the fixed side of NVIDIA-NeMo/RL #4158: a group that splits 7 against 1 on a reward that
     float32 cannot hold (0.35, 0.4) gives the singleton others with a spread of 0, which sqrt(E[x^2] - E[x]^2)
@@ -284,9 +276,8 @@ def distinct_per_group(advantages, decimals=4):
     return 1 + (keys[:, 1:] != keys[:, :-1]).sum(dim=1)                       # (B,)
 
 
-# Conditioned rewards (Eq. 8): r_k counts only where another reward r_l passes a threshold.
-# The paper uses it to make an easy reward (length) count only when a hard one (correctness)
-# is met, because lowering the easy reward's weight alone does not stop it dominating.
+# Conditioned rewards (Eq. 8): r_k counts only where another reward r_l passes a threshold, so that an easy reward
+# (length) counts only when a hard one (correctness) is met: its weight alone does not stop it dominating.
 
 _OPS = {">=": operator.ge, ">": operator.gt, "<=": operator.le, "<": operator.lt, "==": operator.eq}
 _CONDITION = re.compile(r"^\s*([^<>=]+?)\s*(>=|<=|==|>|<)\s*([-+0-9.eE]+)\s*$")

@@ -11,9 +11,8 @@
         pending/      with --async-steps: each rank's batches already sampled for the steps after this one
         COMPLETE      written last
 
-Everything is written into `step_000050.partial/`, which is renamed to `step_000050/` only
-once COMPLETE is in it. A kill mid-save leaves a .partial directory that resume ignores and
-deletes, and the previous checkpoint untouched.
+Everything is written into `step_000050.partial/`, which is renamed to `step_000050/` only once COMPLETE is in it. A
+kill mid-save leaves a .partial directory that resume ignores and deletes, and the previous checkpoint untouched.
 """
 
 import contextlib

@@ -73,12 +73,11 @@ REGISTRY = {
 def informative_groups(rewards, weights, estimator, tol=1e-6, **options):
     """Which groups of (B, G, R) rewards carry a signal for `estimator`: bool (B,).
 
-    A group is informative when the estimator's own group-level advantages (before any batch step)
-    are not all zero: some |A_i| > tol. Where they are all zero the group's completions cannot be
-    told apart, and a batch step only shifts them all alike. Conditions (Eq. 8) are applied first by
-    the caller; NaN rewards follow the estimators' rules. This is not the variance of the summed
-    reward, which DAPO-style filters test: under GDPO, rewards (2,0,0) against (0,1,1) sum to 2 and 2,
-    yet each reward varies and the group step gives +-0.71; under every estimator here (1,0) against
-    (0,1) gives 0 (the two rewards' z-scores cancel), and so does a constant sum under GRPO.
+    A group is informative when the estimator's own group-level advantages (before any batch step) are not all zero:
+    some |A_i| > tol. Where they are all zero the group's completions cannot be told apart, and a batch step only
+    shifts them all alike. Conditions (Eq. 8) are applied first by the caller; NaN rewards follow the estimators'
+    rules. This is not the variance of the summed reward, which DAPO-style filters test: under GDPO, rewards (2,0,0)
+    against (0,1,1) sum to 2 and 2, yet each reward varies and the group step gives +-0.71; under every estimator
+    here (1,0) against (0,1) gives 0 (the two rewards' z-scores cancel), and so does a constant sum under GRPO.
     """
     return REGISTRY[estimator].group_step(rewards, weights, **options).abs().amax(dim=1) > tol  # (B,)

@@ -80,11 +80,10 @@ def own_logprobs(lm, prompt_ids, prompt_mask, repeats, completion_ids, completio
 class ChunkedLogProbs(torch.autograd.Function):
     """log softmax(hidden @ weight.T / temperature)[targets], `chunk` tokens at a time.
 
-    Forward keeps only the (K,) log-sum-exp per token, never the (K, V) logits; backward recomputes
-    each chunk's logits and forms the gradient d logp / d logits = onehot - softmax in place. So at
-    most one (chunk, V) float32 block is alive, forward or backward, and the entropy comes from the
-    same logits at no extra matmul. Every matmul runs in the compute dtype, with fp32 output
-    (_mm_fp32_out); a frozen head (LoRA) gets no weight gradient.
+    Forward keeps only the (K,) log-sum-exp per token, never the (K, V) logits; backward recomputes each chunk's
+    logits and forms the gradient d logp / d logits = onehot - softmax in place. So at most one (chunk, V) float32
+    block is alive, forward or backward, and the entropy comes from the same logits at no extra matmul. Every matmul
+    runs in the compute dtype, with fp32 output (_mm_fp32_out); a frozen head (LoRA) gets no weight gradient.
     """
 
     @staticmethod

@@ -55,10 +55,9 @@ def settings(cfg):
 def check_targets(lm, layers, targets):
     """Raise ConfigError unless each target names a linear layer inside the decoder layers.
 
-    peft matches a target by the last parts of a module's name ("q_proj" matches
-    "model.layers.0.self_attn.q_proj"). Outside the decoder layers an adapter would be wrong here:
-    the head's weight is read directly by the chunked log-softmax, and the embedding is tied to it.
-    Runs on a meta-device model, before any weights load.
+    peft matches a target by the last parts of a module's name ("q_proj" matches "model.layers.0.self_attn.q_proj").
+    Outside the decoder layers an adapter would be wrong here: the head's weight is read directly by the chunked
+    log-softmax, and the embedding is tied to it. Runs on a meta-device model, before any weights load.
     """
     from minigdpo.config import ConfigError
 

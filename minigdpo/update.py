@@ -1,8 +1,7 @@
 """The policy update: PPO's clipped surrogate with a k3 KL penalty to a frozen reference, accumulated over
 micro-batches and applied with FSDP2; the optimizer (AdamW) and its learning-rate schedule.
 
-Shape legend: N sequences in the micro-batch, b distinct prompts in it, P prompt columns, T completion
-tokens.
+Shape legend: N sequences in the micro-batch, b distinct prompts in it, P prompt columns, T completion tokens.
 
     ratio   = exp(logp - old_logp)
     pg      = -min(ratio * A, clip(ratio, 1 - clip_low, 1 + clip_high) * A)
