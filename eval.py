@@ -94,8 +94,9 @@ def new_sampler(path, args):
     stop_ids = models.stop_token_ids(lm.config, lm.generation_config, tokenizer)
     device = dist.device() if dist.is_initialized() else torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    return make_sampler(args.sampler, path, device, tokenizer, stop_ids, dtype, seed=args.seed,
-                        max_model_len=args.max_prompt_len + args.max_new_tokens), tokenizer
+    sampler = make_sampler(args.sampler, path, device, tokenizer, stop_ids, dtype, seed=args.seed,
+                           max_model_len=args.max_prompt_len + args.max_new_tokens)
+    return sampler, tokenizer
 
 
 def swap_in(sampler, tokenizer, source, path, args, kind):

@@ -192,8 +192,9 @@ def run_training(argv=None):
             offset = dist.rank() * n_groups // dist.world_size()  # this rank's first group in the global batch
             adv = adv_all[offset:offset + len(batch.prompts)].float().cpu()                       # (this rank's S, G)
 
-            totals = None  # stays None where --dynamic-sampling at its cap found no group to learn from: no update
-            if n_groups:
+            if n_groups == 0:  # --dynamic-sampling at its cap found no group to learn from: no update this step
+                totals = None
+            else:
                 # 5. Micro-batches (minigdpo/microbatch.py); the reference's log-probs (and the old policy's).
                 with timed(seconds, "logprob"):
                     groups = list(zip(batch.prompts, batch.completions, adv))

@@ -88,10 +88,14 @@ def check_shared(output_dir):
 
 def latest(output_dir):
     """Path of the newest complete checkpoint, or None."""
+    best = None
     base = root(output_dir)
-    complete = [(int(m.group(1)), os.path.join(base, n)) for n in (os.listdir(base) if os.path.isdir(base) else [])
-                if (m := _STEP_DIR.match(n)) and os.path.exists(os.path.join(base, n, "COMPLETE"))]
-    return max(complete)[1] if complete else None
+    for name in os.listdir(base) if os.path.isdir(base) else []:
+        m = _STEP_DIR.match(name)
+        if m and os.path.exists(os.path.join(base, name, "COMPLETE")):
+            if best is None or int(m.group(1)) > best[0]:
+                best = (int(m.group(1)), os.path.join(base, name))
+    return best[1] if best else None
 
 
 def remove_partial(output_dir):
