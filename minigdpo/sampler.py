@@ -146,7 +146,7 @@ def decode_attention(module, query, key, value, attention_mask, dropout=0.0, sca
             or kwargs.get("s_aux") is not None:  # a prefill, softcapping, attention sinks
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
     if key.device.type == "cpu" and key.dtype != torch.float32:  # bf16 matmuls there: 1.7x as long on strided keys
-        key, value = key.contiguous(), value.contiguous()  # (RoomyLayer's) as on a copy (benchmarks/decode_attention.py)
+        key, value = key.contiguous(), value.contiguous()  # (RoomyLayer's) as on a copy: benchmarks/decode_attention.py
     scores = (query.view(N, K, H // K, D) @ key.transpose(2, 3)).float() * (scaling or D**-0.5)  # (N, K, H / K, L)
     probs = scores.masked_fill(~attention_mask, float("-inf")).softmax(-1).to(value.dtype)    # mask: (N, 1, 1, L)
     return (probs @ value).view(N, 1, H, D), None                                           # SDPA's: (N, 1, H, D)
