@@ -1,12 +1,16 @@
 """One step of benchmarks/vs_trl.py's smollm2 work, part by part, with torch.profiler's top ops: where the time goes.
 
 The work: 4 GSM8K questions x 8 completions, SmolLM2-135M-Instruct (the demo model, cached) in fp32 on the CPU.
-- generate: the HF sampler, 64 new tokens a completion (--new-tokens), stop tokens ignored;
+- generate: the HF sampler, 64 new tokens a completion (--new-tokens), stop tokens ignored (--dtype bf16: the demo's);
 - update: the reference pass (fill_logprobs) and one update (update.update) over 64 random tokens a completion,
   cut into micro-batches of 16 as train.py cuts them.
 
     python benchmarks/step_profile.py --part update              # seconds, twice (the first is warm-up)
     python benchmarks/step_profile.py --part generate --new-tokens 200 --profile   # and the top ops by self time
+    python benchmarks/step_profile.py --part generate --caches roomy,dynamic --reps 5   # the KV caches, alternating
+
+--caches: the HF sampler's KV cache layers, roomy (sampler.RoomyLayer, written in place) or dynamic (transformers'
+DynamicLayer, which grows by concatenation); with both, one run of each in turn, --reps times, and their medians.
 """
 
 import argparse
@@ -21,12 +25,16 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 GSM8K = os.path.join(ROOT, "..", "shared", "data", "gsm8k", "train.jsonl")
 
-from minigdpo import dist, microbatch, models, policy  # noqa: E402
+from transformers.cache_utils import DynamicLayer  # noqa: E402
+
+from minigdpo import dist, microbatch, models, policy, sampler as sampling  # noqa: E402
 from minigdpo.config import Config  # noqa: E402
 from minigdpo.sampler import Completion, SamplingParams  # noqa: E402
 from minigdpo.update import fill_logprobs, optimizer, scheduler, update  # noqa: E402
 from minigdpo.vllm_sampler import make_sampler  # noqa: E402
 from rewards import encode_prompt  # noqa: E402
+
+ROOMY = sampling.RoomyLayer
 
 
 def prompts(tokenizer):
@@ -35,10 +43,16 @@ def prompts(tokenizer):
     return [encode_prompt(tokenizer, [{"role": "user", "content": r["question"]}], 512) for r in rows]
 
 
+def use_cache(kind):
+    """The HF sampler's KV cache layers from here on: roomy (sampler.RoomyLayer) or dynamic (DynamicLayer)."""
+    sampling.RoomyLayer = ROOMY if kind == "roomy" else (lambda room: DynamicLayer())
+
+
 def generate_part(path, tokenizer, args):
     lm = models.load_model(path, torch.float32)
     stop = models.stop_token_ids(lm.config, lm.generation_config, tokenizer)
-    sampler = make_sampler("hf", path, torch.device("cpu"), tokenizer, stop, torch.float32)
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.dtype]
+    sampler = make_sampler("hf", path, torch.device("cpu"), tokenizer, stop, dtype)
     ids, params = prompts(tokenizer), SamplingParams(1.0, 1.0, args.new_tokens, seed=1, ignore_eos=True)
 
     def once():
@@ -78,9 +92,24 @@ def main():
     p.add_argument("--part", choices=["generate", "update"], default="update")
     p.add_argument("--new-tokens", type=int, default=64)
     p.add_argument("--profile", action="store_true", help="then one more under torch.profiler: its top 12 ops")
+    p.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32", help="generate: the sampler's compute dtype")
+    p.add_argument("--caches", default="roomy", help="generate: roomy, dynamic or both (comma-separated)")
+    p.add_argument("--reps", type=int, default=5, help="with several --caches: runs of each, in turn")
     args = p.parse_args()
     path = models.resolve_model(models.DEMO_MODEL)
     tokenizer = models.load_tokenizer(path)
+    caches = args.caches.split(",")
+    if args.part == "generate" and len(caches) > 1:
+        once = generate_part(path, tokenizer, args)
+        once()  # warm-up
+        seconds = {c: [] for c in caches}
+        for _ in range(args.reps):
+            for c in caches:
+                use_cache(c)
+                seconds[c].append(round(once()["generate_s"], 2))
+        print({c: (s, sorted(s)[len(s) // 2]) for c, s in seconds.items()}, "(seconds, median)", flush=True)
+        return
+    use_cache(caches[0])
     once = (generate_part if args.part == "generate" else update_part)(path, tokenizer, args)
     print(f"threads {torch.get_num_threads()}; warm-up {once()}; timed {once()}", flush=True)
     if args.profile:
