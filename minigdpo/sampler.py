@@ -155,7 +155,7 @@ def decode_attention(module, query, key, value, attention_mask, dropout=0.0, sca
 class RoomyLayer(DynamicLayer):
     """A full-attention layer's KV cache with room for `room` more tokens: each token's keys and values are written in
     place, where DynamicLayer copies the whole cache to append them, at every token of every layer. The room is the
-    longest completion's, set aside when the decode starts (docs/performance.md, "The demo")."""
+    longest completion's, set aside when the decode starts (docs/performance.md, "the generation, op by op")."""
 
     def __init__(self, room):
         super().__init__()
