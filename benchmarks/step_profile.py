@@ -1,7 +1,8 @@
 """One step of benchmarks/vs_trl.py's smollm2 work, part by part, with torch.profiler's top ops: where the time goes.
 
-The work: 4 GSM8K questions x 8 completions, SmolLM2-135M-Instruct (the demo model, cached) in fp32 on the CPU.
-- generate: the HF sampler, 64 new tokens a completion (--new-tokens), stop tokens ignored (--dtype bf16: the demo's);
+The work: 4 GSM8K questions x 8 completions, SmolLM2-135M-Instruct (the demo model, cached) in fp32 on the CPU
+(--dtype bf16: the demo's compute dtype, where this CPU has it).
+- generate: the HF sampler, 64 new tokens a completion (--new-tokens), stop tokens ignored;
 - update: the reference pass (fill_logprobs) and one update (update.update) over 64 random tokens a completion,
   cut into micro-batches of 16 as train.py cuts them.
 
@@ -66,13 +67,14 @@ def generate_part(path, tokenizer, args):
 def update_part(path, tokenizer, args):
     dist.init()
     cfg = Config(model=path, group_size=8, batch_size=32, micro_batch_size=16, beta=0.04, max_new_tokens=64,
-                 max_prompt_len=512, lr=1e-6, dtype="fp32")
+                 max_prompt_len=512, lr=1e-6, dtype=args.dtype)
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.dtype]
     g = torch.Generator().manual_seed(0)
     groups = [(p, [Completion(torch.randint(0, 49000, (64,), generator=g).tolist(), [-1.0] * 64) for _ in range(8)],
                torch.randn(8, generator=g)) for p in prompts(tokenizer)]
     device = torch.device("cpu")
-    model = policy.build(path, device, torch.float32, context=1024)
-    ref = policy.build(path, device, torch.float32, frozen=True, context=1024)
+    model = policy.build(path, device, dtype, context=1024)
+    ref = policy.build(path, device, dtype, frozen=True, context=1024)
     opt, layout = optimizer(model, 1e-6, 0.0), "packed" if cfg.padding_free else "padded"
     sched = scheduler(opt, 10, 0.0, "constant")
 
@@ -92,7 +94,7 @@ def main():
     p.add_argument("--part", choices=["generate", "update"], default="update")
     p.add_argument("--new-tokens", type=int, default=64)
     p.add_argument("--profile", action="store_true", help="then one more under torch.profiler: its top 12 ops")
-    p.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32", help="generate: the sampler's compute dtype")
+    p.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32", help="the compute dtype (bf16: the demo's)")
     p.add_argument("--caches", default="roomy", help="generate: roomy, dynamic or both (comma-separated)")
     p.add_argument("--reps", type=int, default=5, help="with several --caches: runs of each, in turn")
     args = p.parse_args()
