@@ -8,7 +8,7 @@ The work: 4 GSM8K questions x 8 completions, SmolLM2-135M-Instruct (the demo mod
 
     python benchmarks/step_profile.py --part update              # seconds, twice (the first is warm-up)
     python benchmarks/step_profile.py --part generate --new-tokens 200 --profile   # and the top ops by self time
-    python benchmarks/step_profile.py --part generate --caches roomy,dynamic --reps 5   # the KV caches, alternating
+    python benchmarks/step_profile.py --part generate --caches dynamic,roomy --reps 5   # the KV caches, alternating
 
 --caches: the HF sampler's KV cache layers, roomy (sampler.RoomyLayer, written in place) or dynamic (transformers'
 DynamicLayer, which grows by concatenation); with both, one run of each in turn, --reps times, and their medians.
@@ -36,6 +36,7 @@ from minigdpo.vllm_sampler import make_sampler  # noqa: E402
 from rewards import encode_prompt  # noqa: E402
 
 ROOMY = sampling.RoomyLayer
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
 def prompts(tokenizer):
@@ -52,8 +53,7 @@ def use_cache(kind):
 def generate_part(path, tokenizer, args):
     lm = models.load_model(path, torch.float32)
     stop = models.stop_token_ids(lm.config, lm.generation_config, tokenizer)
-    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.dtype]
-    sampler = make_sampler("hf", path, torch.device("cpu"), tokenizer, stop, dtype)
+    sampler = make_sampler("hf", path, torch.device("cpu"), tokenizer, stop, DTYPES[args.dtype])
     ids, params = prompts(tokenizer), SamplingParams(1.0, 1.0, args.new_tokens, seed=1, ignore_eos=True)
 
     def once():
@@ -68,7 +68,7 @@ def update_part(path, tokenizer, args):
     dist.init()
     cfg = Config(model=path, group_size=8, batch_size=32, micro_batch_size=16, beta=0.04, max_new_tokens=64,
                  max_prompt_len=512, lr=1e-6, dtype=args.dtype)
-    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.dtype]
+    dtype = DTYPES[args.dtype]
     g = torch.Generator().manual_seed(0)
     groups = [(p, [Completion(torch.randint(0, 49000, (64,), generator=g).tolist(), [-1.0] * 64) for _ in range(8)],
                torch.randn(8, generator=g)) for p in prompts(tokenizer)]
