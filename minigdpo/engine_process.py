@@ -10,6 +10,8 @@ import os
 
 import torch
 
+from minigdpo.split import SamplerLost
+
 # torchrun's world, which the child leaves, its agent's store too (vllm_sampler takes a free port); LOCAL_RANK stays:
 # the rank's GPU is the engine's
 TORCHRUN_WORLD = ("RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "TORCHELASTIC_USE_AGENT_STORE")
@@ -46,7 +48,7 @@ class EngineProcess:
             ok, value = self.pipe.recv()
         except EOFError:
             self.process.join(timeout=10)  # its status is known once it is reaped
-            raise RuntimeError(f"the sampler's process exited (status {self.process.exitcode})") from None
+            raise SamplerLost(f"the sampler's process exited (status {self.process.exitcode})") from None  # one line
         if not ok:
             raise value
         return value

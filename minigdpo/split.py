@@ -17,7 +17,8 @@ from minigdpo.pipeline import Pipeline
 
 
 class SamplerLost(RuntimeError):
-    """The other side stopped: a sampling rank (seen from a trainer) or a trainer (seen from a sampling rank)."""
+    """The other side stopped: a sampling rank (seen from a trainer), a trainer (seen from a sampling rank), or a
+    sampling rank's own engine process (minigdpo/engine_process.py)."""
 
 
 def pipeline(K, first, cursor, pending, last, sample, sampler, weights, overlap=False):

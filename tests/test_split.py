@@ -124,6 +124,7 @@ def test_an_engine_process_answers_outside_the_torchrun_world_and_says_when_it_f
     """minigdpo/engine_process.py, with a sampler that reports where it runs (the real vLLM engine runs so in
     tests/test_vllm_real.py): its calls run in a child without torchrun's world variables, a stream of weights
     arrives whole, an error comes back as itself, and a child that exits is one line."""
+    from minigdpo import split
     from minigdpo.engine_process import EngineProcess
     from tests.helpers import Echo
 
@@ -137,7 +138,7 @@ def test_an_engine_process_answers_outside_the_torchrun_world_and_says_when_it_f
     assert loaded == [("a", 0.0), ("b", 2.0)] and engine.adapters_only is False
     with pytest.raises(TypeError):
         engine.generate([1])
-    with pytest.raises(RuntimeError, match=r"the sampler's process exited \(status 3\)"):
+    with pytest.raises(split.SamplerLost, match=r"the sampler's process exited \(status 3\)"):  # one line (train.py)
         engine.exit()
     engine.close()
     assert not engine.process.is_alive()
