@@ -210,7 +210,8 @@ def parse_args(argv=None):
     args.baseline, baseline_config = checkpoint_run(args.baseline) if args.baseline else ("", None)
     args.runs = {args.model: run_config, args.baseline: baseline_config}  # each model's trainer_state (evaluate)
     source, run_config = (args.model, run_config) if run_config is not None else (args.baseline, baseline_config)
-    explicit, taken = [k for k in RUN_SETTINGS if getattr(args, k) is not None], []
+    explicit = [k for k in RUN_SETTINGS if getattr(args, k) is not None]
+    taken = []  # the settings the run's config gave
     for name, default in RUN_SETTINGS.items():  # each one left unset: the run's value, else the default
         if getattr(args, name) is None:
             from_run = run_config is not None and name in run_config

@@ -48,10 +48,13 @@ def init(sharding="auto", sampler_ranks=0):
     ones only sample (split), and the mesh is the other ranks', flat.
     """
     global _device, _mesh
-    backend = "nccl" if torch.cuda.is_available() else "gloo"
-    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if backend == "nccl" else torch.device("cpu")
-    if backend == "nccl":
+    if torch.cuda.is_available():
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
         torch.cuda.set_device(device)
+        backend = "nccl"
+    else:
+        device = torch.device("cpu")
+        backend = "gloo"
     if not tdist.is_initialized():
         kwargs = dict(timeout=TIMEOUT, device_id=device if backend == "nccl" else None)
         if "RANK" not in os.environ:  # a plain `python train.py`: a group of one, in memory, no port
