@@ -81,8 +81,8 @@ class ChunkedLogProbs(torch.autograd.Function):
     """log softmax(hidden @ weight.T / temperature)[targets], `chunk` tokens at a time.
 
     Forward keeps only the (K,) log-sum-exp per token, never the (K, V) logits; backward recomputes each chunk's
-    logits and forms the gradient d logp / d logits = onehot - softmax in place. So at most one (chunk, V) float32
-    block is alive, forward or backward, and the entropy comes from the same logits at no extra matmul. Every matmul
+    logits and forms the gradient d logp / d logits = onehot - softmax in place. So at most two (chunk, V) float32
+    blocks are alive, forward or backward, and the entropy comes from the same logits at no extra matmul. Every matmul
     runs in the compute dtype, with fp32 output (_mm_fp32_out); a frozen head (LoRA) gets no weight gradient.
     """
 
@@ -97,11 +97,13 @@ class ChunkedLogProbs(torch.autograd.Function):
             logits = _mm_fp32_out(hidden[s:e], weight.T)                   # (k, V) fp32
             if temperature != 1.0:
                 logits.div_(temperature)
-            lse[s:e] = torch.logsumexp(logits, dim=-1)
+            top = logits.amax(-1, keepdim=True)                            # (k, 1)
+            weights = (logits - top).exp_()                                # (k, V) unnormalised probabilities
+            total = weights.sum(-1)                                        # (k,)
+            lse[s:e] = total.log() + top.squeeze(-1)                       # torch.logsumexp, with one temporary
             logp[s:e] = logits.gather(-1, targets[s:e, None]).squeeze(-1) - lse[s:e]
-            if entropy:
-                logits.sub_(lse[s:e, None])                                # (k, V) now log-probs
-                ent[s:e] = -(logits.exp() * logits).sum(-1)
+            if entropy:  # lse - E[logit], in place over the weights
+                ent[s:e] = lse[s:e] - weights.mul_(logits).sum(-1) / total
         ctx.save_for_backward(hidden, weight, targets, lse)
         ctx.temperature, ctx.chunk = temperature, chunk
         ctx.mark_non_differentiable(ent)
