@@ -98,12 +98,12 @@ class ChunkedLogProbs(torch.autograd.Function):
             if temperature != 1.0:
                 logits.div_(temperature)
             top = logits.amax(-1, keepdim=True)                            # (k, 1)
-            weights = (logits - top).exp_()                                # (k, V) unnormalised probabilities
-            total = weights.sum(-1)                                        # (k,)
+            exps = (logits - top).exp_()                                   # (k, V) softmax, not yet normalised
+            total = exps.sum(-1)                                           # (k,)
             lse[s:e] = total.log() + top.squeeze(-1)                       # torch.logsumexp, with one temporary
             logp[s:e] = logits.gather(-1, targets[s:e, None]).squeeze(-1) - lse[s:e]
-            if entropy:  # lse - E[logit], in place over the weights
-                ent[s:e] = lse[s:e] - weights.mul_(logits).sum(-1) / total
+            if entropy:  # lse - E[logit], >= 0 but for rounding
+                ent[s:e] = (lse[s:e] - exps.mul_(logits).sum(-1) / total).clamp_(min=0)
         ctx.save_for_backward(hidden, weight, targets, lse)
         ctx.temperature, ctx.chunk = temperature, chunk
         ctx.mark_non_differentiable(ent)
