@@ -19,6 +19,7 @@ import argparse
 import json
 import os
 import resource
+import shutil
 import statistics
 import subprocess
 import sys
@@ -72,13 +73,18 @@ def run_minigdpo(args, model, data):
     from plot import read_run
 
     out = tempfile.mkdtemp(prefix="bench-minigdpo-")
-    train.main(["--model", model, "--task", "gsm8k", "--data", data, "--rewards", "correct,integer,format",
-                "--estimator", "gdpo", "--group-size", str(args.group), "--batch-size", str(args.prompts * args.group),
-                "--micro-batch-size", str(args.micro_batch_size), "--beta", "0.04", "--lr", "1e-6",
-                "--max-steps", str(args.steps), "--max-new-tokens", str(args.max_new_tokens), "--max-prompt-len", "512",
-                "--ignore-eos", "--temperature", "1.0", "--sampler", "hf", "--save-every", "0", "--samples-every", "0",
-                "--warmup-ratio", "0", "--dtype", "fp32", "--output-dir", out])  # TRL's dtype on the CPU
-    return [row["time/step"] for row in read_run(out)]
+    try:
+        train.main(["--model", model, "--task", "gsm8k", "--data", data, "--rewards", "correct,integer,format",
+                    "--estimator", "gdpo", "--group-size", str(args.group),
+                    "--batch-size", str(args.prompts * args.group),
+                    "--micro-batch-size", str(args.micro_batch_size), "--beta", "0.04", "--lr", "1e-6",
+                    "--max-steps", str(args.steps), "--max-new-tokens", str(args.max_new_tokens),
+                    "--max-prompt-len", "512", "--ignore-eos", "--temperature", "1.0", "--sampler", "hf",
+                    "--save-every", "0", "--samples-every", "0", "--warmup-ratio", "0",
+                    "--dtype", "fp32", "--output-dir", out])  # TRL's dtype on the CPU
+        return [row["time/step"] for row in read_run(out)]
+    finally:
+        shutil.rmtree(out, ignore_errors=True)  # the run's last checkpoint: 2.2 GB for SmolLM2
 
 
 def run_trl(args, model, data):

@@ -90,6 +90,33 @@ def test_vs_trl_gives_minigdpo_trls_dtype(monkeypatch):
     assert dtype == torch.float32
 
 
+def test_vs_trl_removes_minigdpo_runs_output_directory(monkeypatch, tmp_path):
+    """Each minigdpo run of vs_trl.py ends in a checkpoint (2.2 GB for SmolLM2): the script reads the step times,
+    then removes the run's directory, where ten runs once filled the disk."""
+    import argparse
+    import importlib.util
+    import tempfile
+
+    import train
+    import plot
+
+    spec = importlib.util.spec_from_file_location("vs_trl", os.path.join(ROOT, "benchmarks", "vs_trl.py"))
+    vs_trl = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(vs_trl)
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+
+    def fake_train(argv):  # a checkpoint's file where the run writes
+        out = argv[argv.index("--output-dir") + 1]
+        os.makedirs(os.path.join(out, "checkpoints"))
+        open(os.path.join(out, "checkpoints", "model.safetensors"), "w").close()
+
+    monkeypatch.setattr(train, "main", fake_train)
+    monkeypatch.setattr(plot, "read_run", lambda out: [{"time/step": 1.5}])
+    args = argparse.Namespace(group=8, prompts=4, micro_batch_size=16, steps=1, max_new_tokens=64)
+    assert vs_trl.run_minigdpo(args, "tiny-random", "data.jsonl") == [1.5]
+    assert os.listdir(tmp_path) == []
+
+
 def test_the_decode_kernel_benchmark_compares_with_sdpa():
     out = bench("decode_attention.py", "--rows", "4", "--lengths", "24")
     rows = [line.split() for line in out.splitlines()[1:]]
