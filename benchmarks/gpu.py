@@ -20,6 +20,7 @@ every completion token. --peak-tflops is the accelerator's dense bf16 peak: 989 
 
 import argparse
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -69,6 +70,7 @@ def main(argv=None):
         cmd += ["--dtype", "auto"]  # bf16 on an accelerator
     subprocess.run(cmd, check=True, cwd=ROOT)
     rows = read_run(out)[1:]
+    shutil.rmtree(out, ignore_errors=True)  # the run's last checkpoint
 
     def med(key):
         return statistics.median(r[key] for r in rows)

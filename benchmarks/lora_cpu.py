@@ -17,6 +17,7 @@ import json
 import os
 import re
 import resource
+import shutil
 import statistics
 import subprocess
 import sys
@@ -42,6 +43,7 @@ def child(args):
         train.main(argv)
     counts = re.search(r"parameters: ([\d,]+), trainable: ([\d,]+)", printed.getvalue())
     rows = read_run(out)
+    shutil.rmtree(out, ignore_errors=True)  # the run's last checkpoint: 2.2 GB for the demo model
     print("RESULT " + json.dumps({
         "total": int(counts.group(1).replace(",", "")), "trainable": int(counts.group(2).replace(",", "")),
         "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,

@@ -12,6 +12,7 @@ build here (tests/test_vllm_real.py says how to install it). Any other train.py 
 
 import argparse
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -47,6 +48,7 @@ def main(argv=None):
         med = {k: statistics.median(r[f"time/{k}"] for r in steps) for k in PHASES}
         rows.append((kind, med, statistics.median(r["throughput/gen_tokens_per_s"] for r in steps),
                      max(r["sampler/logp_gap"] for r in read_run(out)), time.perf_counter() - t0))
+        shutil.rmtree(out, ignore_errors=True)  # the run's last checkpoint
     print(f"\n{args.preset}, median of {args.steps - 1} steps after warm-up (seconds per step)")
     print(f"{'sampler':<8}" + "".join(f"{k:>10}" for k in PHASES) + f"{'gen tok/s':>11}{'max gap':>10}{'run s':>8}")
     for kind, med, tps, gap, wall in rows:

@@ -16,19 +16,21 @@ SMALL_QWEN2 = ["--layers", "2", "--hidden", "64", "--heads", "4", "--kv-heads", 
                "--vocab", "4096"]
 
 
-def bench(script, *args):
+def bench(script, *args, env=None):
     proc = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", script), *args], cwd=ROOT,
-                          capture_output=True, text=True, timeout=300)
+                          capture_output=True, text=True, timeout=300, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return proc.stdout
 
 
-def test_gpu_benchmark_reports_step_time_throughput_and_mfu():
-    out = bench("gpu.py", *SMALL_QWEN2, "--steps", "3", "--peak-tflops", "0.01", "--dtype", "fp32")
+def test_gpu_benchmark_reports_step_time_throughput_and_mfu(tmp_path):
+    out = bench("gpu.py", *SMALL_QWEN2, "--steps", "3", "--peak-tflops", "0.01", "--dtype", "fp32",
+                env=os.environ | {"TMPDIR": str(tmp_path)})
     assert "median of 2 steps after warm-up" in out
     mfu = float(re.search(r"MFU ([\d.]+)%", out).group(1))
     update = float(re.search(r"update tokens/s\s+(\d+)", out).group(1))
     assert mfu > 0 and update > 0
+    assert not [d for d in os.listdir(tmp_path) if d.startswith("bench-gpu-")]  # its run's checkpoint removed
 
 
 def test_the_fast_pass_check_tells_a_right_pass_from_a_wrong_one():
@@ -114,6 +116,37 @@ def test_vs_trl_removes_minigdpo_runs_output_directory(monkeypatch, tmp_path):
     monkeypatch.setattr(plot, "read_run", lambda out: [{"time/step": 1.5}])
     args = argparse.Namespace(group=8, prompts=4, micro_batch_size=16, steps=1, max_new_tokens=64)
     assert vs_trl.run_minigdpo(args, "tiny-random", "data.jsonl") == [1.5]
+    assert os.listdir(tmp_path) == []
+
+
+def test_the_lora_and_sampler_benchmarks_remove_their_runs_output_directories(monkeypatch, tmp_path):
+    """lora_cpu.py's runs (the demo model's 2.2 GB checkpoint each) and samplers.py's, their train.py faked: each
+    leaves metrics to read and a checkpoint's file, and neither directory outlives the script."""
+    import argparse
+    import tempfile
+
+    import train
+    import plot
+
+    from benchmarks import lora_cpu, samplers
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    row = {f"time/{k}": 1.0 for k in ("step", "generate", "logprob", "update", "reward", "sync")} | {
+        "throughput/gen_tokens_per_s": 10.0, "sampler/logp_gap": 0.0}
+
+    def run(argv, **kwargs):  # train.py, in process (lora_cpu) or as a command (samplers)
+        out = argv[argv.index("--output-dir") + 1]
+        os.makedirs(os.path.join(out, "checkpoints"))
+        open(os.path.join(out, "checkpoints", "model.safetensors"), "w").close()
+        print("parameters: 10, trainable: 5")
+        return subprocess.CompletedProcess(argv, 0, "", "")
+
+    monkeypatch.setattr(train, "main", run)
+    monkeypatch.setattr(subprocess, "run", run)
+    for module in (plot, samplers):  # lora_cpu imports plot's in its child
+        monkeypatch.setattr(module, "read_run", lambda out: [row, row])
+    lora_cpu.child(argparse.Namespace(steps=2, child_rank=0))
+    samplers.main(["--samplers", "hf", "--steps", "2"])
     assert os.listdir(tmp_path) == []
 
 
