@@ -174,7 +174,7 @@ def merged_state(lm, dtype, skip, main_only=False):
             merged = W.float() + layers[prefix].scaling[ADAPTER] * (B.float() @ A.float())  # (out, in)
             yield f"{prefix}.weight", merged.to(dtype or W.dtype)
         else:  # a bias of an adapted layer, or any other tensor: its name without the ".base_layer"
-            t = t.detach().to(dtype) if dtype is not None else t.detach()
+            t = t.detach().to(dtype or t.dtype)  # as the merged weights above: no copy where the dtype stays
             yield name.replace(".base_layer.", "."), dist.full_tensor(t, main_only)
 
 
