@@ -9,9 +9,13 @@ The work: 4 GSM8K questions x 8 completions, SmolLM2-135M-Instruct (the demo mod
     python benchmarks/step_profile.py --part update              # seconds, twice (the first is warm-up)
     python benchmarks/step_profile.py --part generate --new-tokens 200 --profile   # and the top ops by self time
     python benchmarks/step_profile.py --part generate --caches dynamic,roomy --reps 5   # the KV caches, alternating
+    python benchmarks/step_profile.py --part head --tokens 1024   # the head's log-probs alone, forward and backward
+    python benchmarks/step_profile.py --part update --profile --by-shape   # and the top ops by input shape
 
 --caches: the HF sampler's KV cache layers, roomy (sampler.RoomyLayer, written in place) or dynamic (transformers'
 DynamicLayer, which grows by concatenation); with both, one run of each in turn, --reps times, and their medians.
+--part head: logprobs.chunked_logprobs (entropy included) on --tokens random hidden states and targets, the demo
+model's head shape (576 by 49,152), --head-chunk tokens a chunk; the medians of --reps forwards and backwards.
 """
 
 import argparse
@@ -28,7 +32,7 @@ GSM8K = os.path.join(ROOT, "..", "shared", "data", "gsm8k", "train.jsonl")
 
 from transformers.cache_utils import DynamicLayer  # noqa: E402
 
-from minigdpo import dist, microbatch, models, policy, sampler as sampling  # noqa: E402
+from minigdpo import dist, logprobs, microbatch, models, policy, sampler as sampling  # noqa: E402
 from minigdpo.config import Config  # noqa: E402
 from minigdpo.sampler import Completion, SamplingParams  # noqa: E402
 from minigdpo.update import fill_logprobs, optimizer, scheduler, update  # noqa: E402
@@ -54,7 +58,7 @@ def generate_part(path, tokenizer, args):
     lm = models.load_model(path, torch.float32)
     stop = models.stop_token_ids(lm.config, lm.generation_config, tokenizer)
     sampler = make_sampler("hf", path, torch.device("cpu"), tokenizer, stop, DTYPES[args.dtype])
-    ids, params = prompts(tokenizer), SamplingParams(1.0, 1.0, args.new_tokens, seed=1, ignore_eos=True)
+    ids, params = prompts(tokenizer)[:args.prompts], SamplingParams(1.0, 1.0, args.new_tokens, seed=1, ignore_eos=True)
 
     def once():
         t0 = time.perf_counter()
@@ -66,8 +70,8 @@ def generate_part(path, tokenizer, args):
 
 def update_part(path, tokenizer, args):
     dist.init()
-    cfg = Config(model=path, group_size=8, batch_size=32, micro_batch_size=16, beta=0.04, max_new_tokens=64,
-                 max_prompt_len=512, lr=1e-6, dtype=args.dtype)
+    cfg = Config(model=path, group_size=8, batch_size=32, micro_batch_size=args.micro_batch_size, beta=0.04,
+                 max_new_tokens=64, max_prompt_len=512, lr=1e-6, dtype=args.dtype)
     dtype = DTYPES[args.dtype]
     g = torch.Generator().manual_seed(0)
     groups = [(p, [Completion(torch.randint(0, 49000, (64,), generator=g).tolist(), [-1.0] * 64) for _ in range(8)],
@@ -89,15 +93,40 @@ def update_part(path, tokenizer, args):
     return once
 
 
+def head_part(args):
+    dtype = DTYPES[args.dtype]
+    g = torch.Generator().manual_seed(0)
+    hidden = torch.randn(args.tokens, 576, generator=g).to(dtype).requires_grad_()
+    weight = (torch.randn(49152, 576, generator=g) * 0.05).to(dtype).requires_grad_()
+    targets = torch.randint(0, 49152, (args.tokens,), generator=g)
+    seconds = {"forward_s": [], "backward_s": []}
+    for _ in range(args.reps):
+        t0 = time.perf_counter()
+        logp, _ = logprobs.chunked_logprobs(hidden, weight, targets, 1.0, args.head_chunk, entropy=True)
+        t1 = time.perf_counter()
+        logp.sum().backward()
+        seconds["forward_s"].append(t1 - t0)
+        seconds["backward_s"].append(time.perf_counter() - t1)
+        hidden.grad = weight.grad = None
+    print({k: round(sorted(v)[len(v) // 2], 3) for k, v in seconds.items()}, f"(median of {args.reps})", flush=True)
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--part", choices=["generate", "update"], default="update")
+    p.add_argument("--part", choices=["generate", "update", "head"], default="update")
     p.add_argument("--new-tokens", type=int, default=64)
     p.add_argument("--profile", action="store_true", help="then one more under torch.profiler: its top 12 ops")
     p.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32", help="the compute dtype (bf16: the demo's)")
     p.add_argument("--caches", default="roomy", help="generate: roomy, dynamic or both (comma-separated)")
-    p.add_argument("--reps", type=int, default=5, help="with several --caches: runs of each, in turn")
+    p.add_argument("--reps", type=int, default=5, help="with several --caches: runs of each, in turn; head: runs")
+    p.add_argument("--prompts", type=int, default=4, help="generate: GSM8K questions, 8 completions each")
+    p.add_argument("--micro-batch-size", type=int, default=16, help="update: sequences a micro-batch")
+    p.add_argument("--tokens", type=int, default=1024, help="head: completion tokens")
+    p.add_argument("--head-chunk", type=int, default=1024, help="head: tokens a chunk (train.py's --logprob-chunk)")
+    p.add_argument("--by-shape", action="store_true", help="with --profile: also the top 20 ops by input shape")
     args = p.parse_args()
+    if args.part == "head":
+        return head_part(args)
     path = models.resolve_model(models.DEMO_MODEL)
     tokenizer = models.load_tokenizer(path)
     caches = args.caches.split(",")
@@ -117,9 +146,11 @@ def main():
     if args.profile:
         from torch.profiler import ProfilerActivity, profile
 
-        with profile(activities=[ProfilerActivity.CPU]) as prof:
+        with profile(activities=[ProfilerActivity.CPU], record_shapes=args.by_shape) as prof:
             once()
         print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=12))
+        if args.by_shape:
+            print(prof.key_averages(group_by_input_shape=True).table(sort_by="self_cpu_time_total", row_limit=20))
 
 
 if __name__ == "__main__":

@@ -16,6 +16,7 @@ run is warm-up and left out), the peak resident memory, and the ratio TRL / mini
 """
 
 import argparse
+import itertools
 import json
 import os
 import resource
@@ -73,6 +74,7 @@ def run_minigdpo(args, model, data):
     from plot import read_run
 
     out = tempfile.mkdtemp(prefix="bench-minigdpo-")
+    heap_policy(args.heap, args.prompts * args.group // args.micro_batch_size)
     try:
         train.main(["--model", model, "--task", "gsm8k", "--data", data, "--rewards", "correct,integer,format",
                     "--estimator", "gdpo", "--group-size", str(args.group),
@@ -85,6 +87,18 @@ def run_minigdpo(args, model, data):
         return [row["time/step"] for row in read_run(out)]
     finally:
         shutil.rmtree(out, ignore_errors=True)  # the run's last checkpoint: 2.2 GB for SmolLM2
+
+
+def heap_policy(heap, per_step):
+    """update.trim_host_heap as --heap says: before each micro-batch (trim, as train.py runs), before each step's
+    first of `per_step` (once-a-step), or never (keep); docs/performance.md's page faults."""
+    from minigdpo import update
+
+    trim, calls = update.trim_host_heap, itertools.count()
+    if heap == "keep":
+        update.trim_host_heap = lambda: None
+    elif heap == "once-a-step":
+        update.trim_host_heap = lambda: trim() if next(calls) % per_step == 0 else None
 
 
 def run_trl(args, model, data):
@@ -154,6 +168,8 @@ def main():
     p.add_argument("--micro-batch-size", type=int, default=16,
                    help="sequences per forward/backward on both sides (TRL: per_device_train_batch_size, with "
                         "gradient accumulation making up B x G, so each side takes one optimizer step per batch)")
+    p.add_argument("--heap", choices=["trim", "once-a-step", "keep"], default="trim",
+                   help="minigdpo's freed heap: given back before each micro-batch (as train.py runs), each step, never")
     p.add_argument("--child", choices=["minigdpo", "trl"], help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.child:
@@ -165,7 +181,7 @@ def main():
         for side in ("trl", "minigdpo") if rep % 2 else ("minigdpo", "trl"):
             cmd = [sys.executable, __file__, "--child", side, "--model", args.model, "--steps", str(args.steps),
                    "--prompts", str(args.prompts), "--group", str(args.group), "--max-new-tokens", str(args.max_new_tokens),
-                   "--micro-batch-size", str(args.micro_batch_size)]
+                   "--micro-batch-size", str(args.micro_batch_size), "--heap", args.heap]
             proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
             line = next((l for l in proc.stdout.splitlines() if l.startswith("RESULT ")), None)
             if line is None:

@@ -86,7 +86,7 @@ def test_vs_trl_gives_minigdpo_trls_dtype(monkeypatch):
     seen = []
     monkeypatch.setattr(train, "main", seen.append)
     monkeypatch.setattr(plot, "read_run", lambda out: [])
-    args = argparse.Namespace(group=8, prompts=4, micro_batch_size=16, steps=3, max_new_tokens=64)
+    args = argparse.Namespace(group=8, prompts=4, micro_batch_size=16, steps=3, max_new_tokens=64, heap="trim")
     vs_trl.run_minigdpo(args, "tiny-random", "data.jsonl")
     dtype, _ = models.compute_dtype(cli.parse_args(seen[0]).dtype, torch.device("cpu"))
     assert dtype == torch.float32
@@ -114,9 +114,28 @@ def test_vs_trl_removes_minigdpo_runs_output_directory(monkeypatch, tmp_path):
 
     monkeypatch.setattr(train, "main", fake_train)
     monkeypatch.setattr(plot, "read_run", lambda out: [{"time/step": 1.5}])
-    args = argparse.Namespace(group=8, prompts=4, micro_batch_size=16, steps=1, max_new_tokens=64)
+    args = argparse.Namespace(group=8, prompts=4, micro_batch_size=16, steps=1, max_new_tokens=64, heap="trim")
     assert vs_trl.run_minigdpo(args, "tiny-random", "data.jsonl") == [1.5]
     assert os.listdir(tmp_path) == []
+
+
+def test_vs_trl_gives_back_minigdpos_heap_as_its_heap_flag_says(monkeypatch):
+    """--heap: the update's trim before every micro-batch (trim, train.py's own), before each step's first
+    (once-a-step: every 2nd of B x G / micro-batch = 32 / 16), or never (keep)."""
+    import importlib.util
+
+    from minigdpo import update
+
+    spec = importlib.util.spec_from_file_location("vs_trl", os.path.join(ROOT, "benchmarks", "vs_trl.py"))
+    vs_trl = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(vs_trl)
+    for heap, expected in (("trim", 6), ("once-a-step", 3), ("keep", 0)):
+        trims = []
+        monkeypatch.setattr(update, "trim_host_heap", lambda: trims.append(1))
+        vs_trl.heap_policy(heap, 2)
+        for _ in range(6):
+            update.trim_host_heap()
+        assert len(trims) == expected, heap
 
 
 def test_the_lora_and_sampler_benchmarks_remove_their_runs_output_directories(monkeypatch, tmp_path):
