@@ -205,7 +205,7 @@ def batch(args, device):
 def step_cfg(args):
     return Config(num_iterations=1, temperature=1.0, logprob_chunk=args.chunk, importance_sampling_cap=0.0, clip_low=0.2,
                   clip_high=0.2, beta=0.04, loss_agg="token_mean", max_new_tokens=args.completion_len,
-                  max_grad_norm=1.0, grad_checkpointing=False)
+                  max_grad_norm=1.0, grad_checkpointing="false")
 
 
 def prefix_gradients_match(path, device, mb, args):

