@@ -96,9 +96,8 @@ def run_training(argv=None):
     model = ref = opt = sched = None  # a sampling rank (--sampler-ranks) has none of them
     if role != "sampler":
         compiled = cfg.compile == "true"  # auto: eager everywhere for now (Config.compile says why)
-        recompute = cfg.grad_checkpointing if cfg.grad_checkpointing != "auto" else (
-            "selective" if device.type == "cpu" and not compiled else "false")  # Config.grad_checkpointing says why
-        dist.print0(f"gradient checkpointing: {recompute}" + " (auto)" * (cfg.grad_checkpointing == "auto"))
+        recompute = cfg.grad_checkpointing == "true" or cfg.grad_checkpointing == "auto" and device.type == "cpu"
+        dist.print0(f"gradient checkpointing {'on' if recompute else 'off'} ({cfg.grad_checkpointing})")
         model = policy.build(path, device, dtype, recompute, lora_settings=lora_settings,
                              compile=compiled, context=context)
         if cfg.beta > 0 and not lora_settings:  # with LoRA the reference is the policy with its adapters off

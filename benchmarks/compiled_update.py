@@ -58,13 +58,13 @@ def main(argv=None):
     path = model_dir(*shape(args))
     lengths = tuple(int(x) for x in args.lengths.split(","))
     cfg = Config(num_iterations=1, temperature=1.0, beta=0.04, loss_agg="token_mean", max_new_tokens=lengths[1],
-                 micro_batch_size=args.micro_batch, micro_batch_tokens=args.budget, grad_checkpointing="true")
+                 micro_batch_size=args.micro_batch, micro_batch_tokens=args.budget, grad_checkpointing=True)
     groups = work(args.seqs, args.group, args.prompt_len, lengths)
     print(f"{device.type}, torch {torch.__version__}, {args.dtype}, {args.layers} layers x {args.hidden}, "
           f"{args.seqs} sequences of {args.prompt_len} + {args.lengths} tokens")
     logps = {}
     for compile in (False, True):
-        model = policy.build(path, device, dtype, grad_checkpointing="true", compile=compile)
+        model = policy.build(path, device, dtype, grad_checkpointing=True, compile=compile)
         opt = optimizer(model, 1e-9, 0.0)
         sched = scheduler(opt, 100, 0.0, "constant")
         batches = batches_of(groups, cfg, device, packed=True)

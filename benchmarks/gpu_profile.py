@@ -200,7 +200,7 @@ def main(argv=None):
         raise SystemExit("gpu_profile.py measures a CUDA GPU")
     out = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "shape": vars(args)}
     for compile in [x == "true" for x in args.compile.split(",")]:
-        model = policy.build(path, device, torch.bfloat16, grad_checkpointing="true", compile=compile)
+        model = policy.build(path, device, torch.bfloat16, grad_checkpointing=True, compile=compile)
         out[f"compile={compile}"] = measure(model, args, device, lengths, compile)
         del model
         torch.cuda.empty_cache()

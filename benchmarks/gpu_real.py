@@ -85,7 +85,7 @@ def main(argv=None):
     dtype, rows = torch.bfloat16, []
     cfg = Config(num_iterations=1, temperature=1.0, logprob_chunk=args.chunk, beta=0.04, loss_agg="token_mean",
                  max_new_tokens=args.completion_len)
-    model = policy.build(path, device, dtype, grad_checkpointing="true")
+    model = policy.build(path, device, dtype, grad_checkpointing=True)
     ref = policy.build(path, device, dtype, frozen=True)
     n_params = sum(p.numel() for p in model.parameters())
     batches = batch(args, device)

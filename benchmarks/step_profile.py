@@ -79,7 +79,7 @@ def update_part(path, tokenizer, args):
     groups = [(p, [Completion(torch.randint(0, 49000, (64,), generator=g).tolist(), [-1.0] * 64) for _ in range(8)],
                torch.randn(8, generator=g)) for p in prompts(tokenizer)]
     device = torch.device("cpu")
-    model = policy.build(path, device, dtype, args.grad_checkpointing, context=1024)
+    model = policy.build(path, device, dtype, args.grad_checkpointing == "true", context=1024)
     ref = policy.build(path, device, dtype, frozen=True, context=1024)
     opt, layout = optimizer(model, 1e-6, 0.0), "packed" if cfg.padding_free else "padded"
     sched = scheduler(opt, 10, 0.0, "constant")
@@ -125,8 +125,8 @@ def main():
     p.add_argument("--micro-batch-size", type=int, default=16, help="update: sequences a micro-batch")
     p.add_argument("--tokens", type=int, default=1024, help="head: completion tokens")
     p.add_argument("--head-chunk", type=int, default=1024, help="head: tokens a chunk (train.py's --logprob-chunk)")
-    p.add_argument("--grad-checkpointing", choices=["false", "true", "selective"], default="selective",
-                   help="update: the policy's (train.py's auto on a CPU: selective)")
+    p.add_argument("--grad-checkpointing", choices=["false", "true"], default="true",
+                   help="update: the policy's (train.py's auto on a CPU: true)")
     p.add_argument("--by-shape", action="store_true", help="with --profile: also the top 20 ops by input shape")
     args = p.parse_args()
     if args.part == "head":

@@ -88,14 +88,11 @@ def check_shared(output_dir):
 
 def latest(output_dir):
     """Path of the newest complete checkpoint, or None."""
-    best = None
     base = root(output_dir)
-    for name in os.listdir(base) if os.path.isdir(base) else []:
-        m = _STEP_DIR.match(name)
-        if m and os.path.exists(os.path.join(base, name, "COMPLETE")):
-            if best is None or int(m.group(1)) > best[0]:
-                best = (int(m.group(1)), os.path.join(base, name))
-    return best[1] if best else None
+    names = os.listdir(base) if os.path.isdir(base) else []
+    complete = [(int(m.group(1)), os.path.join(base, name)) for name in names
+                if (m := _STEP_DIR.match(name)) and os.path.exists(os.path.join(base, name, "COMPLETE"))]
+    return max(complete)[1] if complete else None
 
 
 def remove_partial(output_dir):

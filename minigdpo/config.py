@@ -175,9 +175,8 @@ class Config:
     """Compute dtype: auto (bf16 on a GPU, and on a CPU with bf16 instructions, else fp32), bf16 or fp32. Master
     weights stay fp32."""
     grad_checkpointing: str = "auto"
-    """Recompute activations in the backward pass to save memory: true (each decoder layer's forward runs again),
-    selective (the fast pass keeps its matmuls' and attention's outputs and runs the rest again: the same numbers),
-    false, or auto: selective on a CPU, eager, false elsewhere, as measured so far (docs/performance.md)."""
+    """Recompute each decoder layer's forward in the backward pass, keeping only its input: true, false, or auto: true
+    on a CPU, where it measured smaller and no slower (docs/performance.md); false on a GPU (not measured there)."""
     padding_free: bool = True
     """Pack a micro-batch's prompts (once) and completions into one row, no padding, for all but attention, in the
     models the fast pass accepts (Llama, Mistral, Qwen2/3, Phi-3, OLMo-2, sliding windows included; others run their
@@ -226,7 +225,7 @@ CHOICES = {"estimator": tuple(REGISTRY), "task": tuple(TASKS), "loss_agg": AGGRE
            "dtype": ("auto", "bf16", "fp32"), "length_unit": ("tokens", "words"), "answer_format": ("answer", "boxed"),
            "on_save_error": ("stop", "continue"), "sharding": ("auto", "fsdp", "hsdp"), "gd2po_mode": ("hard", "snr"),
            "reduce_grads": ("step", "micro_batch"), "compile": ("auto", "true", "false"),
-           "grad_checkpointing": ("auto", "true", "selective", "false"),
+           "grad_checkpointing": ("auto", "true", "false"),
            "reward_model_placement": ("auto", "resident", "offload", "shard"),
            "importance_sampling_level": ("token", "sequence")}
 
@@ -277,8 +276,6 @@ def validate(cfg):
     _check(not (cfg.async_steps and cfg.reward_model_placement == "shard"),
            "--reward-model-placement shard cannot run with --async-steps: a sharded reward model gathers its layers "
            "over the ranks while the trainer's FSDP2 does too, from another thread (use resident or offload)")
-    _check(not (cfg.grad_checkpointing == "selective" and cfg.compile == "true"),
-           "--grad-checkpointing selective cannot run with --compile true (use true or false)")
     _check(cfg.sampler_ranks >= 0, f"--sampler-ranks must be >= 0, got {cfg.sampler_ranks}")
     for refused, setting, why in ((cfg.sharding == "hsdp", "--sharding hsdp", "the trainers' mesh is flat"),
                                   (cfg.reward_model_placement == "shard", "--reward-model-placement shard",

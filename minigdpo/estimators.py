@@ -48,10 +48,6 @@ def _saw_gdpo_group(r, w, shift=None):
     return gdpo_group(r, successors.saw_weights(r, shift) * weights_of(r, w), VERL_STD_EPS)
 
 
-def _gd2po_options(cfg):
-    return {"mode": cfg.gd2po_mode, "tau": cfg.gd2po_tau}
-
-
 def _saw_options(cfg):
     return {"shift": cfg.saw_shift or None}
 
@@ -64,7 +60,7 @@ REGISTRY = {
     "gdpo_nemo": Estimator(gdpo_nemo, gdpo_nemo_group),
     "gd2po": Estimator(successors.gd2po,
                        lambda r, w, mode="snr", tau=0.8: successors.gd2po_group(r, w, mode=mode, tau=tau)[0],
-                       _gd2po_options, reads_lengths=True),
+                       lambda cfg: {"mode": cfg.gd2po_mode, "tau": cfg.gd2po_tau}, reads_lengths=True),
     "saw_gdpo": Estimator(successors.saw_gdpo, _saw_gdpo_group, _saw_options, reads_lengths=True),
     "saw_grpo": Estimator(successors.saw_grpo, successors.saw_grpo, _saw_options),
 }

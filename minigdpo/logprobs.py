@@ -255,8 +255,8 @@ def packed_hidden_states(lm, packed):
     packed = packed.attending(hidden.dtype, set(layer_windows(lm.config)))
     recompute = lm.is_gradient_checkpointing and lm.training and torch.is_grad_enabled()
     for layer in base.layers:
-        if recompute:  # transformers' torch.utils.checkpoint, with its arguments (policy.build sets them)
-            hidden = layer._gradient_checkpointing_func(layer.layer_packed, hidden, packed, position_embeddings)
+        if recompute:
+            hidden = checkpoint(layer.layer_packed, hidden, packed, position_embeddings, use_reentrant=False)
         else:
             hidden = layer.layer_packed(hidden, packed, position_embeddings)
     return base.norm(hidden)[0, packed.before]                             # (K, H)

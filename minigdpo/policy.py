@@ -7,10 +7,7 @@ tensors do not match the model by name and shape is loaded whole first (transfor
 sampler holds a whole copy of its own (minigdpo/sampler.py, minigdpo/vllm_sampler.py).
 """
 
-import functools
-
 import torch
-from torch.utils.checkpoint import create_selective_checkpoint_contexts
 
 from minigdpo import fsdp, lora
 from minigdpo.logprobs import LogProbModel, decoder_layers
@@ -47,14 +44,7 @@ def shard_reader(path, lm):
     return read
 
 
-# What --grad-checkpointing selective keeps for the backward: the outputs of the matmuls and of attention, the costly
-# ops. The rest of a layer (norms, activation, rotary, casts, the GQA copies of keys and values) runs again there.
-KEPT = [getattr(torch.ops.aten, op).default for op in ("mm", "addmm", "bmm", "_scaled_dot_product_flash_attention",
-        "_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_efficient_attention",
-        "_scaled_dot_product_cudnn_attention")]
-
-
-def build(path, device, compute_dtype, grad_checkpointing="false", frozen=False, offload=False, lora_settings=None,
+def build(path, device, compute_dtype, grad_checkpointing=False, frozen=False, offload=False, lora_settings=None,
           compile=False, context=None):
     """Build as the module docstring says: on the meta device, wrapped, sharded, each rank reading its own shards
     (start-up host memory: this rank's shards plus the read rows, about 1.5 x fp32 model / world for a bf16 checkpoint).
@@ -73,10 +63,8 @@ def build(path, device, compute_dtype, grad_checkpointing="false", frozen=False,
     if lora_settings:
         read = lora.attach(lm, lora_settings, read)
     lm.config.use_cache = False
-    if grad_checkpointing in ("true", "selective") and not frozen:  # transformers' checkpointing, in each layer
-        kept = functools.partial(create_selective_checkpoint_contexts, KEPT)
-        kwargs = {"context_fn": kept} if grad_checkpointing == "selective" else {}
-        lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False, **kwargs})
+    if grad_checkpointing and not frozen:
+        lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model = LogProbModel(lm, context)
     if compile:  # each layer's own forward, inside FSDP2's hooks and checkpointing (LogProbModel.compile_layers)
         model.compile_layers()

@@ -17,8 +17,7 @@ rewrite the rewards before any estimator runs, so they apply here unchanged.
 
 import torch
 
-from minigdpo.advantages import VERL_STD_EPS, gdpo_verl, group_zscore, grpo, token_counts, token_whiten, \
-    weights_of
+from minigdpo.advantages import VERL_STD_EPS, gdpo_verl, group_zscore, grpo, token_counts, token_whiten, weights_of
 
 SIGN_THRESHOLD = 1e-8      # GD2PO: a rollout's reward advantage counts as positive above 1e-8, negative below -1e-8
 RHO_EPS = 1e-8             # GD2PO: added to rho's denominator, sum_k |L A_k| + 1e-8 (gdpo_filter_ratio_conflict_eps)

